@@ -1,0 +1,27 @@
+"""Library errors. Every one is a `ValueError` whose message names the bad key, value, shape or position."""
+
+
+class FlashNextError(ValueError):
+    """Base class of flashnext's errors."""
+
+
+class ConfigError(FlashNextError):
+    """A model or run config field has an invalid value; the message names the field and value."""
+
+
+class CheckpointError(FlashNextError):
+    """A checkpoint is missing keys, has unexpected/mis-shaped/wrong-dtype keys, or is truncated.
+
+    Attributes:
+        problems: one line per offending key.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems or [])
+        if self.problems:
+            message = message + "\n  " + "\n  ".join(self.problems)
+        super().__init__(message)
+
+
+class InputError(FlashNextError):
+    """Model inputs (ids, cu_seqlens, positions, masks) are malformed; the message names the tensor and shape."""
