@@ -1,0 +1,134 @@
+"""Flat token streams: `Segments` (cu_seqlens, positions) and padded <-> packed helpers.
+
+Legend: T = tokens in the flat stream, N = sequences, B/S = padded batch/sequence dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashnext.errors import InputError
+
+
+@dataclass
+class Segments:
+    """Sequence boundaries of a flat token stream.
+
+    Attributes:
+        cu_seqlens: int32 [N+1], 0 first, non-decreasing, last == T (equal neighbours = zero-length sequence).
+        position_ids: int64 [T] (text) or [3, T] (MRoPE t/h/w).
+        max_seqlen: longest sequence (host int).
+        seq_idx: int64 [T], sequence index of every token.
+        seq_start: int64 [T], flat index of the first token of every token's sequence.
+        lengths: host list of the N sequence lengths.
+    """
+
+    cu_seqlens: torch.Tensor
+    position_ids: torch.Tensor
+    max_seqlen: int
+    seq_idx: torch.Tensor
+    seq_start: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_idx.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def cu_host(self) -> list[int]:
+        """Host copy of `cu_seqlens` (no device sync)."""
+        out = [0]
+        for n in self.lengths:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def pos_in_seq(self) -> torch.Tensor:
+        """int64 [T]: offset of each token from its sequence start (independent of `position_ids`)."""
+        return torch.arange(self.num_tokens, device=self.seq_start.device) - self.seq_start
+
+
+def make_segments(cu_seqlens: torch.Tensor, num_tokens: int, position_ids: torch.Tensor | None = None) -> Segments:
+    """Validate `cu_seqlens` against a stream of `num_tokens` and derive per-token indices.
+
+    Args:
+        cu_seqlens: int [N+1] cumulative sequence lengths.
+        num_tokens: T, the length of the flat stream.
+        position_ids: optional int64 [T] or [3, T]; defaults to the offset within each sequence.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise InputError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    cu_host = cu_seqlens.tolist()
+    if cu_host[0] != 0 or cu_host[-1] != num_tokens:
+        raise InputError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got {cu_host[0]}..{cu_host[-1]}")
+    lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:], strict=True)]
+    if any(n < 0 for n in lengths):
+        raise InputError(f"cu_seqlens must be non-decreasing, got {cu_host}")
+    device = cu_seqlens.device
+    lens_t = torch.tensor(lengths, dtype=torch.long, device=device)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens_t, output_size=num_tokens)
+    starts = torch.tensor(cu_host[:-1], dtype=torch.long, device=device)
+    seq_start = starts[seq_idx]
+    if position_ids is None:
+        position_ids = torch.arange(num_tokens, device=device) - seq_start
+    elif position_ids.shape[-1] != num_tokens or position_ids.dim() not in (1, 2):
+        raise InputError(f"position_ids must be [T] or [3, T] with T={num_tokens}, got {tuple(position_ids.shape)}")
+    return Segments(
+        cu_seqlens=cu_seqlens.to(torch.int32),
+        position_ids=position_ids.long(),
+        max_seqlen=max(lengths, default=0),
+        seq_idx=seq_idx,
+        seq_start=seq_start,
+        lengths=lengths,
+    )
+
+
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None):
+    """Turn a padded `[B, S]` batch into a flat stream.
+
+    Each row's real tokens must be contiguous (left or right padding). Positions default to the offset from each
+    row's first real token.
+
+    Returns:
+        flat_ids [T], segments, and `keep` (bool [B, S]) to scatter outputs back with `pad_back`.
+    """
+    if input_ids.dim() != 2:
+        raise InputError(f"padded input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    if attention_mask is None:
+        keep = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise InputError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        keep = attention_mask.bool()
+        lens = keep.sum(1)
+        first = torch.where(keep.any(1), keep.float().argmax(1), torch.zeros_like(lens))
+        span = torch.arange(S, device=keep.device)[None, :]
+        contiguous = ((span >= first[:, None]) & (span < (first + lens)[:, None])) == keep
+        if not bool(contiguous.all()):
+            bad = int((~contiguous.all(1)).nonzero()[0])
+            raise InputError(f"attention_mask row {bad} has holes; real tokens must be contiguous per row")
+    lens = keep.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = torch.cumsum(lens, 0)
+    flat = input_ids[keep]
+    if position_ids is not None:
+        pos = position_ids[..., keep] if position_ids.dim() == 3 else position_ids[keep]
+    else:
+        pos = None
+    return flat, make_segments(cu, flat.shape[0], pos), keep
+
+
+def pad_back(flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Scatter a flat `[T, ...]` tensor back to `[B, S, ...]` (zeros at padding)."""
+    out = flat.new_zeros(*keep.shape, *flat.shape[1:])
+    out[keep] = flat
+    return out

@@ -1,0 +1,66 @@
+"""Gated DeltaNet linear attention on a flat stream (chunked for prefill/training).
+
+Legend: T tokens, Hk key heads, Hv value heads, Dk/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashnext.batch import Segments
+from flashnext.config import TextConfig
+from flashnext.model.norm import GatedRMSNorm
+from flashnext.ops.conv import causal_conv1d_varlen
+from flashnext.ops.deltanet import chunk_gated_delta_rule
+
+
+class GatedDeltaNet(nn.Module):
+    """Conv-mixed q/k/v, delta-rule recurrence with learned decay, gated RMSNorm, output projection."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        conv_dim = 2 * key_dim + value_dim
+        D = cfg.hidden_size
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, kernel_size=cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False,
+            padding=cfg.linear_conv_kernel_dim - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.empty(self.hv).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, activation=cfg.gate_act)
+        self.out_proj = nn.Linear(value_dim, D, bias=False)
+        self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(D, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(D, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(D, self.hv, bias=False)
+
+    def project(self, x: torch.Tensor, seg: Segments):
+        """Everything before the recurrence: returns q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], z."""
+        T = x.shape[0]
+        qkv = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), seg.pos_in_seq)
+        qkv = F.silu(qkv).to(x.dtype)
+        kd = self.hk * self.dk
+        q, k, v = torch.split(qkv, [kd, kd, self.hv * self.dv], dim=-1)
+        q, k = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk)
+        v = v.view(T, self.hv, self.dv)
+        if self.hv != self.hk:
+            q = q.repeat_interleave(self.hv // self.hk, dim=1)
+            k = k.repeat_interleave(self.hv // self.hk, dim=1)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        return q, k, v, g, beta, z
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z: [T, Hv, Dv] -> [T, D]."""
+        return self.out_proj(self.norm(o, z).flatten(-2))
+
+    def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
+        q, k, v, g, beta, z = self.project(x, seg)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, seg.cu_host)
+        return self.output(o, z)

@@ -1,0 +1,123 @@
+"""Hashed n-gram ids and the n-gram embedding table of a PLE layer.
+
+For token t, its k-gram (k = 2..ngram_size) is hashed as `XOR_j (tok[t-j] * m_j)` in wrapping int64, then each of
+`heads_per_ngram` heads takes it modulo its own prime table size and adds the head's row offset. Context before a
+sequence start or before the token after an EOS reads as EOS. Head table sizes are successive primes counted
+globally across PLE layers; the table is padded to a multiple of `make_ngram_vocab_size_divisible_by`.
+
+The table lookup is the module `ngram_embedding` (an `nn.Embedding` called on flat ids) so it can be swapped for an
+owner-routed, row-sharded embedding from outside the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashnext.config import TextConfig
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_LAYER_STRIDE = 10007
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return (x ^ (x >> 31)) & _MASK64
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd per-position hash multipliers, bounded so `token * m` stays below 2**63."""
+    half = max(1, (((1 << 63) - 1) // max(vocab_size, 1)) // 2)
+    base = seed + _LAYER_STRIDE * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (j + 1)) & _MASK64) % half) + 1 for j in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_vocab_sizes(base: int, first_head: int, count: int) -> list[int]:
+    """Primes number `first_head + 1 ... first_head + count` strictly above `base - 1`."""
+    sizes, p, found = [], base - 1, 0
+    while len(sizes) < count:
+        p += 1
+        if _is_prime(p):
+            found += 1
+            if found > first_head:
+                sizes.append(p)
+    return sizes
+
+
+def context_tokens(ids: torch.Tensor, pos_in_seq: torch.Tensor, eos_id: int, shift: int) -> torch.Tensor:
+    """`ids[t - shift]` where it lies in t's sequence and after t's last preceding EOS, else `eos_id`.
+
+    ids, pos_in_seq: int64 [T].
+    """
+    if shift == 0:
+        return ids
+    T = ids.shape[0]
+    t = torch.arange(T, device=ids.device)
+    eos_at = torch.where(ids == eos_id, t, -1)
+    last_eos = torch.cummax(eos_at, 0).values
+    prev_eos = torch.cat([last_eos.new_full((1,), -1), last_eos[:-1]])
+    segment_start = torch.maximum(t - pos_in_seq, prev_eos + 1)
+    valid = t - shift >= segment_start
+    shifted = ids[(t - shift).clamp_min(0)]
+    return torch.where(valid, shifted, torch.full_like(ids, eos_id))
+
+
+class NGramEmbedding(nn.Module):
+    """Hashes token contexts to n-gram rows and looks them up: ids [T] -> [T, ple_embed_dim]."""
+
+    def __init__(self, cfg: TextConfig, ple_index: int):
+        super().__init__()
+        self.ngram_size = cfg.ngram_size
+        self.heads_per_ngram = cfg.heads_per_ngram
+        self.num_heads = cfg.ngram_heads
+        self.eos_id = cfg.eos_id
+        self.ple_index = ple_index
+        self._mults = layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
+        self._sizes = head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index * self.num_heads, self.num_heads)
+        self._offsets = [sum(self._sizes[:i]) for i in range(self.num_heads)]
+        div = cfg.make_ngram_vocab_size_divisible_by
+        rows = math.ceil(sum(self._sizes) / div) * div
+        self.register_buffer("layer_multipliers", torch.zeros(self.ngram_size, dtype=torch.long), persistent=False)
+        self.register_buffer("ngram_heads_vocab_sizes", torch.zeros(self.num_heads, dtype=torch.long), persistent=False)
+        self.register_buffer("ngram_heads_offsets", torch.zeros(self.num_heads, dtype=torch.long), persistent=False)
+        self.reset_buffers()
+        self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // self.num_heads)
+
+    def reset_buffers(self) -> None:
+        """Recompute the hash constants (after `to_empty` from the meta device)."""
+        dev = self.layer_multipliers.device
+        if dev.type == "meta":
+            return
+        self.layer_multipliers.copy_(torch.tensor(self._mults, dtype=torch.long))
+        self.ngram_heads_vocab_sizes.copy_(torch.tensor(self._sizes, dtype=torch.long))
+        self.ngram_heads_offsets.copy_(torch.tensor(self._offsets, dtype=torch.long))
+
+    def hash_ids(self, ids: torch.Tensor, pos_in_seq: torch.Tensor) -> torch.Tensor:
+        """int64 [T] token ids -> int64 [T, num_heads] table rows."""
+        ids = ids.long()
+        ctx = [context_tokens(ids, pos_in_seq, self.eos_id, j) for j in range(self.ngram_size)]
+        mixed = ctx[0] * self.layer_multipliers[0]
+        per_order = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = torch.bitwise_xor(mixed, ctx[order - 1] * self.layer_multipliers[order - 1])
+            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
+            sizes = self.ngram_heads_vocab_sizes[heads]
+            per_order.append(torch.remainder(mixed[:, None], sizes) + self.ngram_heads_offsets[heads])
+        return torch.cat(per_order, dim=-1)
+
+    def forward(self, ids: torch.Tensor, pos_in_seq: torch.Tensor) -> torch.Tensor:
+        rows = self.hash_ids(ids, pos_in_seq)
+        return self.ngram_embedding(rows).flatten(-2)

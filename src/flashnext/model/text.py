@@ -1,0 +1,171 @@
+"""The decoder stack and LM head (`FlashNextForCausalLM`), on flat token streams or padded batches.
+
+Legend: B/S padded batch/sequence, T flat tokens, D hidden, hc streams, V vocab, L layers, k experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashnext.batch import Segments, make_segments, pad_back, unpad
+from flashnext.config import TextConfig
+from flashnext.errors import InputError
+from flashnext.model.deltanet import GatedDeltaNet
+from flashnext.model.hyper import GatedResidual
+from flashnext.model.layer import DecoderLayer
+from flashnext.model.moe import Experts, Router
+from flashnext.model.ngram import NGramEmbedding
+from flashnext.model.norm import GatedRMSNorm, RMSNorm
+from flashnext.model.ple import PLELayer
+from flashnext.model.rope import RotaryEmbedding
+
+
+@dataclass
+class CausalLMOutput:
+    """logits: [B, S, V] (padded input) or [T, V] (flat); loss: mean CE over label tokens;
+    routed_experts: int64 [T, L, k] (flat order) when requested."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+
+
+class FlashNextTextModel(nn.Module):
+    """Embedding, L decoder layers over `hc` residual streams, final stream mixer. Flat in, flat out."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.hyper_connection_mixer = GatedResidual(
+            cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, inject=False
+        )
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(self, input_ids: torch.Tensor, seg: Segments, replay: torch.Tensor | None = None):
+        """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k])."""
+        x = self.embed_tokens(input_ids)
+        residual = x.repeat(1, self.config.hc_count)
+        rope = self.rotary(seg.position_ids, x.dtype)
+        routed = []
+        for i, layer in enumerate(self.layers):
+            residual, experts = layer(residual, input_ids, rope, seg, None if replay is None else replay[:, i])
+            routed.append(experts)
+        return self.hyper_connection_mixer(residual), torch.stack(routed, dim=1)
+
+
+class FlashNextForCausalLM(nn.Module):
+    """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = FlashNextTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.extra_tensors: dict[str, torch.Tensor] = {}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
+
+        Args:
+            labels: same layout as `input_ids`; the loss predicts `labels[t+1]` from token t within a sequence
+                (-100 = no loss), averaged over all label tokens.
+            routed_experts: int [T, L, k] (flat order) to replay the router's expert choice.
+        """
+        padded = input_ids.dim() == 2
+        if padded:
+            if cu_seqlens is not None:
+                raise InputError("cu_seqlens is for flat [T] input_ids; got padded input_ids of shape "
+                                 f"{tuple(input_ids.shape)}")
+            ids, seg, keep = unpad(input_ids, attention_mask, position_ids)
+            if labels is not None:
+                labels = labels[keep]
+        else:
+            if input_ids.dim() != 1:
+                raise InputError(f"input_ids must be [B, S] or flat [T], got shape {tuple(input_ids.shape)}")
+            if cu_seqlens is None:
+                cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
+            ids, seg = input_ids, make_segments(cu_seqlens, input_ids.shape[0], position_ids)
+        self._check_ids(ids)
+        hidden, experts = self.model(ids, seg, routed_experts)
+        logits = self.lm_head(hidden)
+        loss = None if labels is None else causal_lm_loss(logits, labels, seg)
+        if padded:
+            logits = pad_back(logits, keep)
+        return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.device.type == "meta" or ids.numel() == 0:
+            return
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0])
+            raise InputError(
+                f"input_ids[{pos}]={int(ids[pos])} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def reset_buffers(self) -> None:
+        """Recompute derived (non-persistent) buffers, e.g. after `to_empty` from the meta device."""
+        for m in self.modules():
+            if isinstance(m, NGramEmbedding):
+                m.reset_buffers()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init as the reference does (normal(0, initializer_range); norms at their identity)."""
+        gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.initializer_range
+
+        def normal_(p: torch.Tensor) -> None:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                normal_(m.weight)
+            elif isinstance(m, Experts):
+                normal_(m.gate_up_proj)
+                normal_(m.down_proj)
+            elif isinstance(m, Router):
+                normal_(m.weight)
+            elif isinstance(m, RMSNorm):
+                m.weight.zero_()
+            elif isinstance(m, GatedRMSNorm):
+                m.weight.fill_(1.0)
+            elif isinstance(m, GatedDeltaNet):
+                m.dt_bias.fill_(1.0)
+                m.A_log.copy_(torch.empty(m.A_log.shape).uniform_(0.01, 16, generator=gen).log())
+                normal_(m.conv1d.weight)
+            elif isinstance(m, PLELayer):
+                m.conv1d.weight.zero_()
+        self.reset_buffers()
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        """Write the official checkpoint layout (see `flashnext.checkpoint`)."""
+        from flashnext.checkpoint import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Next-token CE within each sequence, in fp32, averaged over label tokens. logits [T, V], labels [T]."""
+    T = labels.shape[0]
+    nxt = torch.full_like(labels, -100)
+    if T > 1:
+        same_seq = seg.seq_idx[1:] == seg.seq_idx[:-1]
+        nxt[:-1] = torch.where(same_seq, labels[1:], -100)
+    return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()

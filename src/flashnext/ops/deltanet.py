@@ -1,0 +1,174 @@
+"""Chunked gated delta rule over a flat stream of sequences (training and prefill).
+
+Legend: T tokens, N sequences, H value heads, K key dim, V value dim, C chunk size, NC chunks.
+Each sequence is cut into C-token chunks (its last chunk zero-padded: zero k/v/beta and zero log-decay leave the
+state untouched). Within a chunk the delta-rule updates are condensed with the UT transform (a unit lower-triangular
+solve); across chunks a scan carries the [H, K, V] state, batched over the sequences still running at that step.
+`ops.deltanet_ref.recurrent_gated_delta_rule` is the token-by-token spec this must equal.
+
+On CUDA with flash-linear-attention installed (and `FLASHNEXT_FORCE_REF` unset) the FLA kernel is used instead;
+it is imported lazily, never at model construction.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashnext.ops.deltanet_ref import prepare_qk
+
+CHUNK = 64
+
+
+def _use_fla(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda" or os.environ.get("FLASHNEXT_FORCE_REF"):
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: list[int],
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule for every sequence of a flat stream. Same contract as `recurrent_gated_delta_rule`.
+
+    Args:
+        q, k: [T, H, K] raw (L2-normalised and q-scaled here). v: [T, H, V]. g, beta: [T, H].
+        cu_seqlens: host list of N+1 cumulative lengths.
+        initial_state: optional fp32 [N, H, K, V].
+
+    Returns:
+        o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V].
+    """
+    if _use_fla(q):
+        return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state)
+    out_dtype = v.dtype
+    q, k = prepare_qk(q, k)
+    v, g, beta = v.float(), g.float(), beta.float()
+    T, H, K = k.shape
+    V = v.shape[-1]
+    N = len(cu_seqlens) - 1
+    device = v.device
+    C = chunk_size
+    lengths = [cu_seqlens[i + 1] - cu_seqlens[i] for i in range(N)]
+    nchunks = [-(-n // C) for n in lengths]
+    NC = sum(nchunks)
+
+    # Slot layout: chunk-aligned copy of the stream; slot index -> token index (T = the zero row).
+    cu_t = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+    chunk_seq = torch.repeat_interleave(
+        torch.arange(N, device=device), torch.tensor(nchunks, device=device), output_size=NC
+    )
+    first_chunk = torch.tensor([0] + nchunks, device=device).cumsum(0)[:-1]
+    chunk_j = torch.arange(NC, device=device) - first_chunk[chunk_seq]
+    slot_tok = (cu_t[chunk_seq] + chunk_j * C)[:, None] + torch.arange(C, device=device)
+    valid = slot_tok < cu_t[chunk_seq + 1][:, None]
+    src = torch.where(valid, slot_tok, T).flatten()
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [NC, H, C, ...]
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[src]
+        x = x.view(NC, C, *x.shape[1:])
+        return x.transpose(1, 2)
+
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    gc, bc = to_chunks(g), to_chunks(beta)  # [NC, H, C]
+
+    intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
+    o_chunks, final = _scan(intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay, nchunks, initial_state, H, K, V)
+    o = o_chunks.transpose(1, 2).reshape(NC * C, H, V)[valid.flatten()]
+    return o.to(out_dtype), final
+
+
+def _intra_chunk(q, k, v, g, beta):
+    """Per-chunk quantities of the UT transform. Shapes: q, k [NC, H, C, K], v [NC, H, C, V], g, beta [NC, H, C]."""
+    C = q.shape[2]
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(-1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    v_beta = v * beta.unsqueeze(-1)
+    # (I + strictly-lower(k_beta k^T * decay)) is the unit lower-triangular system of the chunk's delta updates.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()
+    return intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay
+
+
+def _scan(intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay, nchunks, initial_state, H, K, V):
+    """Carry the state across chunks; step j runs the j-th chunk of every sequence that has one."""
+    N = len(nchunks)
+    device = new_v.device
+    order = sorted(range(N), key=lambda n: -nchunks[n])  # longest first: running sequences form a prefix
+    first = [0] * N
+    acc = 0
+    for n in range(N):
+        first[n] = acc
+        acc += nchunks[n]
+    base = torch.tensor([first[n] for n in order], dtype=torch.long, device=device)
+    counts = [nchunks[n] for n in order]
+    if initial_state is None:
+        S = new_v.new_zeros(N, H, K, V)
+    else:
+        S = initial_state.float()[torch.tensor(order, device=device)]
+    finals = [None] * N
+    outs, out_ids = [], []
+    steps = counts[0] if counts else 0
+    active = N
+    for j in range(steps + 1):
+        running = sum(1 for c in counts if c > j)
+        for r in range(running, active):  # sequences that finished before step j
+            finals[order[r]] = S[r]
+        if running == 0:
+            break
+        S = S[:running]
+        active = running
+        ids = base[:running] + j
+        v_new = new_v[ids] - k_cumdecay[ids] @ S
+        outs.append(q_dec[ids] @ S + intra[ids] @ v_new)
+        out_ids.append(ids)
+        S = S * chunk_decay[ids][..., None, None] + k_dec[ids].transpose(-1, -2) @ v_new
+    for r in range(active):
+        if finals[order[r]] is None:
+            finals[order[r]] = S[r]
+    final = torch.stack(finals) if N else new_v.new_zeros(0, H, K, V)
+    if not outs:
+        return new_v.new_zeros(0, H, new_v.shape[2], V), final
+    o_sorted = torch.cat(outs)
+    inverse = torch.empty_like(torch.cat(out_ids))
+    inverse[torch.cat(out_ids)] = torch.arange(inverse.numel(), device=device)
+    return o_sorted[inverse], final
+
+
+def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
+    o, final = fla_chunk(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g=g.float().unsqueeze(0),
+        beta=beta.unsqueeze(0),
+        initial_state=initial_state,
+        output_final_state=True,
+        cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o.squeeze(0), final

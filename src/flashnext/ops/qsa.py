@@ -1,0 +1,116 @@
+"""QSA sparse attention, vectorised over queries: no per-query or per-sequence Python loop.
+
+Queries are processed in chunks that bound memory; a chunk scores only the blocks its sequences can see, keeps the
+top `block_topk` (ties: higher score, then later block — see `ops.qsa_ref`), and attends over the gathered
+`block_topk * c + c - 1` candidate tokens, never a dense T x T mask.
+
+Legend: T tokens, Tq queries in a chunk, Hi/Di indexer heads/dim, NB blocks, n selected slots, H/Hkv/D attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashnext.batch import Segments
+
+SCORE_BUDGET = 1 << 24  # elements of the [Tq, Hi, NB] score tensor per chunk
+GATHER_BUDGET = 1 << 24  # elements of the gathered [Tq, n, Hkv, D] keys per chunk
+
+
+def complete_blocks(seg: Segments, ratio: int) -> torch.Tensor:
+    """int64 [NB]: flat index of the first token of every complete c-token block, in stream order."""
+    pos = seg.pos_in_seq
+    seq_len = torch.tensor(seg.lengths, dtype=torch.long, device=pos.device)[seg.seq_idx]
+    is_start = (pos % ratio == 0) & (pos + ratio <= seq_len)
+    return is_start.nonzero().flatten()
+
+
+def pool_block_keys(raw_k: torch.Tensor, block_start: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Mean (in fp32, cast back) of each block's raw indexer keys. raw_k: [T, Di] -> [NB, Di]."""
+    idx = block_start[:, None] + torch.arange(ratio, device=raw_k.device)
+    return raw_k[idx].float().mean(1).to(raw_k.dtype)
+
+
+@torch.no_grad()
+def select_tokens(
+    idx_q: torch.Tensor,
+    block_keys: torch.Tensor,
+    block_start: torch.Tensor,
+    seg: Segments,
+    ratio: int,
+    block_topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices each query attends to.
+
+    Args:
+        idx_q: [T, Hi, Di]; block_keys: [NB, Di]; block_start: int64 [NB] (from `complete_blocks`).
+
+    Returns:
+        sel [T, n] int64 flat token indices (0 where unused) and ok [T, n] bool, n = block_topk*ratio + ratio - 1.
+    """
+    T, Hi, Di = idx_q.shape
+    n = block_topk * ratio + ratio - 1
+    device = idx_q.device
+    sel = torch.zeros(T, n, dtype=torch.long, device=device)
+    ok = torch.zeros(T, n, dtype=torch.bool, device=device)
+    NB = block_start.numel()
+    step = max(1, SCORE_BUDGET // max(1, Hi * NB))
+    arange_c = torch.arange(ratio, device=device)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        t = torch.arange(t0, t1, device=device)
+        s = seg.seq_start[t0:t1]
+        # Blocks visible to this chunk lie in [seq_start of its first query, t1).
+        b_lo = int(torch.searchsorted(block_start, s[:1]).item()) if NB else 0
+        b_hi = int(torch.searchsorted(block_start, torch.tensor([t1], device=device)).item()) if NB else 0
+        k_blocks = min(block_topk, b_hi - b_lo)
+        if k_blocks > 0:
+            starts = block_start[b_lo:b_hi]
+            scores = torch.einsum("thd,bd->thb", idx_q[t0:t1].float(), block_keys[b_lo:b_hi].float())
+            scores = scores.relu().sum(1) / math.sqrt(Di)
+            visible = (starts[None, :] >= s[:, None]) & (starts[None, :] + ratio <= t[:, None] + 1)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            # Stable descending sort over reversed blocks: among equal scores the later block comes first.
+            vals, order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
+            top = starts.flip(0)[order[:, :k_blocks]]  # [Tq, k]
+            top_ok = vals[:, :k_blocks] > float("-inf")
+            width = k_blocks * ratio
+            sel[t0:t1, :width] = (top[:, :, None] + arange_c).flatten(1)
+            ok[t0:t1, :width] = top_ok[:, :, None].expand(-1, -1, ratio).flatten(1)
+        # Tail: the incomplete block ending at the query.
+        tail_len = (t - s + 1) % ratio
+        j = torch.arange(ratio - 1, device=device)
+        tail = (t - tail_len + 1)[:, None] + j
+        sel[t0:t1, n - (ratio - 1) :] = torch.where(j < tail_len[:, None], tail, 0)
+        ok[t0:t1, n - (ratio - 1) :] = j < tail_len[:, None]
+    return sel, ok
+
+
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, ok: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of each query over its selected tokens, in query chunks.
+
+    Args:
+        q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens`.
+
+    Returns:
+        [T, H, D] in q's dtype (softmax in fp32, as the reference's eager attention).
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    n = sel.shape[1]
+    step = max(1, GATHER_BUDGET // max(1, n * Hkv * D))
+    outs = []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        idx = sel[t0:t1]
+        qc = q[t0:t1].view(t1 - t0, Hkv, H // Hkv, D)
+        ks, vs = k[idx], v[idx]  # [Tq, n, Hkv, D]
+        w = torch.einsum("tkgd,tnkd->tkgn", qc, ks) * scale
+        w = w.masked_fill(~ok[t0:t1, None, None, :], float("-inf"))
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.einsum("tkgn,tnkd->tkgd", w, vs).reshape(t1 - t0, H, D))
+    return torch.cat(outs) if outs else q.new_zeros(0, H, D)
