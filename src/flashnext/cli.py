@@ -1,0 +1,244 @@
+"""`flashnext` command line.
+
+Subcommands:
+    demo (the default): build the embedded tiny model, save it in the official layout, reload it, run a packed
+        and a padded forward, print shapes and timings, and check the reloaded model computes the same logits.
+
+Later subcommands (train, serve, generate, flops, convert) join `_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from flashnext.config import TextConfig, load_config, parse_config
+from flashnext.errors import FlashNextError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DemoCheckFailed(RuntimeError):
+    """The demo's self-check (reload parity, packed vs padded) did not hold."""
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+def tiny_config() -> TextConfig:
+    """The embedded tiny default (`flashnext/configs/tiny.json`)."""
+    text = resources.files("flashnext").joinpath("configs/tiny.json").read_text()
+    return parse_config(json.loads(text)).text
+
+
+def demo_lengths(seq_len: int) -> list[int]:
+    """Three sequence lengths for the demo batch: the longest, a middle one, and a short one."""
+    return [seq_len, min(seq_len, seq_len // 2 + 3), min(5, seq_len)]
+
+
+def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+
+
+def pack(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat ids [T], cu_seqlens int32 [N+1], position_ids int64 [T] (restarting at 0 in each sequence)."""
+    lengths = torch.tensor([len(s) for s in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    return torch.cat(list(seqs)), cu, pos
+
+
+def pad(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, S] and attention_mask [B, S] (1 = real token)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def logits_of(out) -> torch.Tensor:
+    """The model returns logits or an object with `.logits` (DESIGN.md, Public API)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[object, float]:
+    """Run `fn` once to warm up, then `repeats` times; return the last result and the median seconds."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def build_model(cfg: TextConfig, seed: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A randomly initialised model, deterministic in `seed`."""
+    from flashnext.model.text import FlashNextForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = FlashNextForCausalLM(cfg)
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init(seed)
+    return model.to(dtype).eval()
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+def run_demo(args: argparse.Namespace) -> None:
+    import flashnext
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = _DTYPES[args.dtype]
+    cfg = load_config(args.config).text if args.config else tiny_config()
+    say = print
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, args.seed, dtype, args.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(
+        f"model: {n_params / 1e6:.3f}M params, {cfg.num_hidden_layers} layers {cfg.layer_types}, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {args.dtype} on {args.device} "
+        f"(built in {time.perf_counter() - t0:.2f}s)"
+    )
+
+    with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
+        out_dir = Path(args.out) if args.out else Path(tmp)
+        t0 = time.perf_counter()
+        model.save_pretrained(out_dir)
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        reloaded = flashnext.from_pretrained(out_dir, dtype=dtype, device=args.device).eval()
+        t_load = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
+        say(f"checkpoint: {out_dir} ({size / 1e6:.2f} MB) saved in {t_save:.2f}s, reloaded in {t_load:.2f}s")
+        forward_and_check(model, reloaded, cfg, args, say)
+        if args.out:
+            say(f"checkpoint kept in {out_dir}")
+
+
+def forward_and_check(model, reloaded, cfg: TextConfig, args: argparse.Namespace, say) -> None:
+    """Packed and padded forwards of the same 3 sequences; checks reload parity and packed == padded."""
+    dev = args.device
+    seqs = make_sequences(demo_lengths(args.seq_len), cfg.vocab_size, args.seed)
+    flat, cu, pos = pack(seqs)
+    ids, mask = pad(seqs)
+    n_tokens = int(flat.numel())
+
+    with torch.inference_mode():
+        packed_fn = lambda m: logits_of(m(flat.to(dev), cu_seqlens=cu.to(dev), position_ids=pos.to(dev)))
+        packed, t_packed = timed(lambda: packed_fn(model), args.repeats)
+        packed_again = packed_fn(reloaded)
+        padded_fn = lambda m: logits_of(m(ids.to(dev), attention_mask=mask.to(dev)))
+        padded, t_padded = timed(lambda: padded_fn(model), args.repeats)
+
+    lengths = [len(s) for s in seqs]
+    say(f"packed batch: {len(seqs)} sequences of lengths {lengths} -> {n_tokens} tokens")
+    say(f"  logits {tuple(packed.shape)} {packed.dtype}")
+    say(f"  forward {t_packed * 1e3:.1f} ms (median of {args.repeats}), {n_tokens / t_packed:,.0f} tokens/s")
+    n_real = int(mask.sum())
+    say(f"padded batch: ids {tuple(ids.shape)} with attention_mask, {n_real} real tokens")
+    say(f"  logits {tuple(padded.shape)} {padded.dtype}")
+    say(f"  forward {t_padded * 1e3:.1f} ms (median of {args.repeats}), {n_real / t_padded:,.0f} tokens/s")
+
+    if packed.shape != (n_tokens, cfg.vocab_size) or padded.shape != (*ids.shape, cfg.vocab_size):
+        raise DemoCheckFailed(
+            f"unexpected logits shapes: packed {tuple(packed.shape)}, padded {tuple(padded.shape)}"
+        )
+    if not torch.isfinite(packed).all():
+        raise DemoCheckFailed("packed logits contain NaN or inf")
+    if not torch.equal(packed, packed_again):
+        raise DemoCheckFailed(
+            f"reloaded model's logits differ from the original's: max |diff| = "
+            f"{(packed.float() - packed_again.float()).abs().max().item():.3e}"
+        )
+    say("check: reloaded logits == original logits (bitwise)")
+    unpadded = padded[mask.bool()]
+    diff = rel_diff(unpadded, packed)
+    tol = 1e-4 if packed.dtype == torch.float32 else 2e-2
+    if diff > tol:
+        raise DemoCheckFailed(f"padded and packed logits differ: rel. error {diff:.3e} > {tol:g}")
+    say(f"check: padded logits == packed logits (rel. error {diff:.2e} <= {tol:g})")
+
+
+# ---- argument parsing ----------------------------------------------------------------------------
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add(
+        "--config",
+        metavar="PATH",
+        help="config.json (or a checkpoint dir) instead of the embedded tiny default",
+    )
+    add(
+        "--out",
+        metavar="DIR",
+        help="save the checkpoint here and keep it (default: a temp dir, deleted after)",
+    )
+    add("--seed", type=int, default=0, help="seed for the random weights and the demo tokens (default 0)")
+    add("--seq-len", type=int, default=64, help="length of the longest of the 3 demo sequences (default 64)")
+    add(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed forwards per batch after a warm-up; median shown (default 3)",
+    )
+    add("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default float32)")
+    add("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    add("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+
+
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
+    "demo": ("build, save, reload and run the embedded tiny model", _add_demo_args, run_demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashnext",
+        description="Train and serve Qwen3.8-Flash-Next exactly, on packed token streams. "
+        "Without a subcommand, runs `demo`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add_args, _) in _COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["demo", *argv]  # demo is the default subcommand, its flags may follow directly
+    args = build_parser().parse_args(argv)
+    if getattr(args, "seq_len", 1) < 1 or getattr(args, "repeats", 1) < 1:
+        print("flashnext: error: --seq-len and --repeats must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        _COMMANDS[args.command][2](args)
+    except (FlashNextError, DemoCheckFailed, OSError) as e:
+        print(f"flashnext {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
