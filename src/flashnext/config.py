@@ -205,9 +205,7 @@ class TextConfig:
             )
         out_of_range = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers]
         if out_of_range:
-            raise ConfigError(
-                f"ple_layer_ids are one-indexed in [1, {self.num_hidden_layers}], got {out_of_range}"
-            )
+            raise ConfigError(f"ple_layer_ids are one-indexed in [1, {self.num_hidden_layers}], got {out_of_range}")
         not_linear = [i for i in self.ple_layer_ids if self.layer_types[i - 1] != LINEAR]
         if not_linear:
             raise ConfigError(f"ple_layer_ids {not_linear} are not linear_attention layers (PLE needs one)")

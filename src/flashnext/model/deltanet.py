@@ -27,7 +27,11 @@ class GatedDeltaNet(nn.Module):
         conv_dim = 2 * key_dim + value_dim
         D = cfg.hidden_size
         self.conv1d = nn.Conv1d(
-            conv_dim, conv_dim, kernel_size=cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False,
+            conv_dim,
+            conv_dim,
+            kernel_size=cfg.linear_conv_kernel_dim,
+            groups=conv_dim,
+            bias=False,
             padding=cfg.linear_conv_kernel_dim - 1,
         )
         self.dt_bias = nn.Parameter(torch.ones(self.hv))

@@ -89,8 +89,9 @@ class FlashNextForCausalLM(nn.Module):
         padded = input_ids.dim() == 2
         if padded:
             if cu_seqlens is not None:
-                raise InputError("cu_seqlens is for flat [T] input_ids; got padded input_ids of shape "
-                                 f"{tuple(input_ids.shape)}")
+                raise InputError(
+                    f"cu_seqlens is for flat [T] input_ids; got padded input_ids of shape {tuple(input_ids.shape)}"
+                )
             ids, seg, keep = unpad(input_ids, attention_mask, position_ids)
             if labels is not None:
                 labels = labels[keep]
