@@ -1,0 +1,173 @@
+"""Load an official-layout checkpoint into an already-allocated model, one tensor at a time.
+
+Each on-disk tensor is copied straight into its slice of our parameter (`gate_up_proj[e, :I]`, a row range of
+an n-gram table, ...), cast to the parameter's dtype on the way; no state dict and no second copy of any
+table is ever built. The whole key set is validated before anything is copied.
+
+Tensors the text model does not own (`mtp.*`, and `model.visual.*` when the model has no vision tower) are
+read into `model.extra_tensors: dict[str, Tensor]` (on-disk names, stored dtype, CPU) so `save_pretrained`
+can write them back.
+
+The n-gram hash buffers (`layer_multipliers`, `ngram_heads_vocab_sizes`, `ngram_heads_offsets`) are derived
+from the config by our model. When the checkpoint carries them they are *verified* against the model's
+buffers (a mismatch is an error: the hash would silently differ); when it does not, that is fine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from flashnext.checkpoint import layout
+from flashnext.checkpoint.files import StreamReader, checkpoint_files, is_float_dtype, read_headers
+from flashnext.errors import CheckpointError
+
+PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE)
+
+
+def tied_lm_head(tensors: dict[str, torch.Tensor]) -> bool:
+    """True when `lm_head.weight` shares storage with the token embedding (tied embeddings)."""
+    head, emb = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    return head is not None and emb is not None and head.data_ptr() == emb.data_ptr()
+
+
+def _describe(shape, dtype) -> str:
+    return f"{list(shape)} {dtype}"
+
+
+class _Matcher:
+    """Sorts on-disk keys into slots of our tensors, n-gram shards, derived buffers, extras and problems."""
+
+    def __init__(self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str):
+        self.ours, self.buffers, self.style = ours, buffers, style
+        plan = layout.build_plan({k: t.shape for k, t in ours.items()}, style=style, split_ngram_parts=1)
+        self.tables = {s.our_key: s for s in plan.values() if layout.NGRAM_SHARD.match(s.disk_key)}
+        self.plan = {k: s for k, s in plan.items() if s.our_key not in self.tables}
+        if tied_lm_head(ours):
+            self.plan.pop("lm_head.weight", None)
+        self.slots: list[layout.Slot] = []
+        self.shards: dict[str, dict[int, str]] = defaultdict(dict)
+        self.derived: list[tuple[str, str]] = []  # (disk key, our buffer name)
+        self.extras: list[str] = []
+        self.problems: list[str] = []
+
+    def add(self, key: str, shape: tuple[int, ...], dtype: str) -> None:
+        if key in self.plan:
+            slot = self.plan[key]
+            dest = self.ours[slot.our_key]
+            if shape != slot.shape:
+                self.problems.append(f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(slot.shape)}")
+            elif dest.is_floating_point() != is_float_dtype(dtype):
+                want = "floating point" if dest.is_floating_point() else str(dest.dtype)
+                self.problems.append(f"wrong dtype: {key} is {_describe(shape, dtype)}, expected {want}")
+            else:
+                self.slots.append(slot)
+        elif (shard := layout.table_key_of_shard(key, self.style)) and shard[0] in self.tables:
+            self.shards[shard[0]][shard[1]] = key
+        elif layout.is_derived_buffer(key) and (name := layout.from_disk_name(key, self.style)) is not None:
+            self._add_derived(key, name, shape, dtype)
+        elif layout.is_extra(key):
+            self.extras.append(key)
+        elif key == "lm_head.weight" and tied_lm_head(self.ours):
+            pass  # tied: the embedding already holds these values
+        else:
+            self.problems.append(f"unexpected: {key} {_describe(shape, dtype)}")
+
+    def _add_derived(self, key: str, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        buf = self.buffers.get(name)
+        if buf is None:
+            return  # a model without this buffer derives nothing to check against
+        if is_float_dtype(dtype) or shape != tuple(buf.shape):
+            self.problems.append(f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(buf.shape)} int")
+        else:
+            self.derived.append((key, name))
+
+    def finish(self, headers: dict) -> None:
+        """Resolve n-gram shards into row slots and list missing keys."""
+        self.problems += [f"missing: {k} {list(s.shape)}" for k, s in self.plan.items() if k not in headers]
+        for table, first in self.tables.items():
+            self._table_slots(table, first.disk_key.rsplit(".shard_", 1)[0], headers)
+
+    def _table_slots(self, table: str, disk_pre: str, headers: dict) -> None:
+        shape = tuple(self.ours[table].shape)
+        found = self.shards.get(table, {})
+        if not found:
+            self.problems.append(f"missing: {disk_pre}.shard_*.weight (n-gram table {table} {list(shape)})")
+            return
+        order = sorted(found)
+        if order != list(range(len(order))):
+            self.problems.append(f"missing: {disk_pre} shards are {order}, expected shard_0..shard_{len(order)-1}")
+            return
+        rows, start, bad = [], 0, []
+        for j in order:
+            s_shape, s_dtype = headers[found[j]][1:]
+            if len(s_shape) != len(shape) or s_shape[1:] != shape[1:] or not is_float_dtype(s_dtype):
+                bad.append(f"mis-shaped: {found[j]} is {_describe(s_shape, s_dtype)}, expected [*, {shape[1]}]")
+            n_rows = s_shape[0] if s_shape else 0
+            rows.append((start, start + n_rows))
+            start += n_rows
+        if not bad and start != shape[0]:
+            bad.append(f"mis-shaped: {disk_pre}.shard_* hold {start} rows, n-gram table {table} has {shape[0]}")
+        self.problems += bad
+        if not bad:
+            self.slots += layout.ngram_slots(table, disk_pre, shape, rows)
+
+
+def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(our state_dict tensors without the derived n-gram buffers, every named buffer incl. non-persistent)."""
+    ours = {k: v for k, v in model.state_dict(keep_vars=True).items() if not layout.is_derived_buffer(k)}
+    return ours, dict(model.named_buffers())
+
+
+@torch.no_grad()
+def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: str = "auto") -> None:
+    """Copy an official-layout checkpoint into `model`'s allocated parameters, one tensor at a time.
+
+    Args:
+        model: a model whose state_dict follows the reference's in-memory names and shapes, already allocated
+            on its final device and dtype (each tensor is cast to its parameter's dtype while copying).
+        path: a checkpoint directory (`model.safetensors`, or shards + `model.safetensors.index.json`) or
+            one `.safetensors` file.
+        prefix_style: `"text"` (`model.*`), `"composite"` (`model.language_model.*`), or `"auto"` (composite
+            when any key is under `model.language_model.`).
+
+    Sets `model.extra_tensors` (see module doc) and `model.checkpoint_style` (the layout that was read).
+
+    Raises:
+        CheckpointError: before copying anything, listing every missing, unexpected, mis-shaped or
+            wrong-dtype key, every unreadable (truncated/corrupt) file and every mismatched derived buffer.
+    """
+    if prefix_style not in PREFIX_STYLES:
+        raise CheckpointError(f"prefix_style={prefix_style!r}: expected one of {PREFIX_STYLES}")
+    files, weight_map = checkpoint_files(path)
+    headers, problems = read_headers(files, weight_map)
+    style = layout.detect_style(headers) if prefix_style == "auto" else prefix_style
+    ours, buffers = _model_tensors(model)
+    match = _Matcher(ours, buffers, style)
+    for key, (_, shape, dtype) in headers.items():
+        match.add(key, shape, dtype)
+    match.finish(headers)
+    problems += match.problems
+    reader = StreamReader()
+    try:
+        if not problems:
+            problems += _check_derived(reader, headers, match.derived, buffers)
+        if problems:
+            raise CheckpointError(f"cannot load checkpoint {str(path)!r} ({len(problems)} problem(s))", problems)
+        for slot in sorted(match.slots, key=lambda s: str(headers[s.disk_key][0])):
+            reader.copy_into(headers[slot.disk_key][0], slot.disk_key, ours[slot.our_key].data[slot.index])
+        model.extra_tensors = {k: reader.read_full(headers[k][0], k, *headers[k][1:]) for k in match.extras}
+    finally:
+        reader.close()
+    model.checkpoint_style = style
+
+
+def _check_derived(reader: StreamReader, headers: dict, derived: list[tuple[str, str]], buffers: dict) -> list[str]:
+    problems = []
+    for key, name in derived:
+        stored, ours = reader.read_small(headers[key][0], key), buffers[name]
+        if not torch.equal(stored.to(ours.device, ours.dtype), ours):
+            problems.append(f"mismatch: {key} = {stored.tolist()} but the config derives {ours.tolist()}")
+    return problems

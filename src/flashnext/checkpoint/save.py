@@ -1,0 +1,133 @@
+"""Write a model in the official checkpoint layout, loadable by transformers' `from_pretrained`.
+
+Per-expert keys, `split_ngram_parts` n-gram shards cut exactly like `torch.chunk`, the three n-gram hash
+buffers, `model.extra_tensors` (mtp/visual) written back under their own names, `config.json`, and
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when the weights exceed one shard.
+Each output file's dict holds views into the parameters (a contiguous slice such as `gate_up_proj[e, :I]` is
+written without a copy), so saving costs at most one file's worth of memory for non-CPU or non-contiguous
+tensors and nothing extra otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flashnext.checkpoint import layout
+from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
+from flashnext.checkpoint.load import tied_lm_head
+from flashnext.config import ModelConfig, TextConfig
+from flashnext.errors import CheckpointError
+
+DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' default "50GB"
+
+
+def model_config_of(model: torch.nn.Module) -> ModelConfig:
+    """The `ModelConfig` a model was built from: `model.model_config`, else its `config`/`cfg` TextConfig."""
+    cfg = getattr(model, "model_config", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    for name in ("config", "cfg"):
+        text = getattr(model, name, None)
+        if isinstance(text, TextConfig):
+            return ModelConfig(text=text)
+    raise CheckpointError(
+        f"{type(model).__name__} has no model_config (ModelConfig) or config/cfg (TextConfig); pass config="
+    )
+
+
+def _entries(model: torch.nn.Module, style: str, split_ngram_parts: int) -> list[tuple[str, torch.Tensor]]:
+    """(disk key, tensor view) for every tensor to write, in our state_dict order, then buffers, then extras."""
+    ours = model.state_dict()
+    tied = tied_lm_head(ours)
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, tensor in ours.items():
+        if layout.is_derived_buffer(key) or (tied and key == "lm_head.weight"):
+            continue
+        for slot in layout.slots_for(key, tensor.shape, style=style, split_ngram_parts=split_ngram_parts):
+            out.append((slot.disk_key, tensor[slot.index]))
+    for key, buf in model.named_buffers():
+        if layout.is_derived_buffer(key):
+            out.append((layout.to_disk_name(key, style), buf))
+    written = {k for k, _ in out}
+    for key, tensor in getattr(model, "extra_tensors", {}).items():
+        if key not in written:
+            out.append((key, tensor))
+    return out
+
+
+def _shard(entries: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Greedy split in order; a tensor larger than `max_bytes` gets a file of its own (as transformers does)."""
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, tensor in entries:
+        n = tensor.numel() * tensor.element_size()
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((key, tensor))
+        size += n
+    return files
+
+
+def _config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    out = cfg.to_dict()
+    name = str(dtype).removeprefix("torch.")
+    out["dtype"] = name
+    if cfg.composite:
+        out["text_config"]["dtype"] = name
+    return out
+
+
+def _remove_stale(directory: Path, keep: set[str]) -> None:
+    for f in [*directory.glob("model*.safetensors"), directory / INDEX_FILE]:
+        if f.is_file() and f.name not in keep:
+            f.unlink()
+
+
+@torch.no_grad()
+def save_pretrained(
+    model: torch.nn.Module,
+    directory: str | Path,
+    *,
+    config: ModelConfig | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `model` to `directory` in the official layout (text or composite, as its config says).
+
+    Args:
+        model: a model whose state_dict follows the reference's in-memory names; its derived n-gram buffers are
+            taken from `model.named_buffers()` and `model.extra_tensors` (if any) are written back as they are.
+        directory: output directory (created if needed); older `model*.safetensors`/index files are removed.
+        config: the checkpoint config; default `model_config_of(model)`. A composite config writes the decoder
+            under `model.language_model.*`.
+        max_shard_bytes: largest file size before splitting into `model-0000i-of-0000n.safetensors` + index.
+
+    Returns:
+        The directory.
+    """
+    cfg = config or model_config_of(model)
+    style = layout.COMPOSITE if cfg.composite else layout.TEXT
+    entries = _entries(model, style, cfg.text.split_ngram_parts)
+    files = _shard(entries, max_shard_bytes)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [SINGLE_FILE] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))
+    ]
+    for name, group in zip(names, files, strict=True):
+        tensors = {k: t if t.is_contiguous() else t.contiguous() for k, t in group}
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for _, t in entries)
+        weight_map = {k: name for name, group in zip(names, files, strict=True) for k, _ in group}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _remove_stale(directory, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
+    dtype = next((t.dtype for _, t in entries if t.is_floating_point()), torch.float32)
+    (directory / "config.json").write_text(json.dumps(_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
+    return directory
