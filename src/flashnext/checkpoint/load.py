@@ -27,10 +27,20 @@ from flashnext.errors import CheckpointError
 PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE)
 
 
-def tied_lm_head(tensors: dict[str, torch.Tensor]) -> bool:
-    """True when `lm_head.weight` shares storage with the token embedding (tied embeddings)."""
-    head, emb = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def shares_embedding(tensors: dict[str, torch.Tensor]) -> bool:
+    """True when `lm_head.weight` shares storage with the token embedding (physically tied)."""
+    head, emb = tensors.get(HEAD), tensors.get(EMBED)
     return head is not None and emb is not None and head.data_ptr() == emb.data_ptr()
+
+
+def ties_embeddings(cfg) -> bool:
+    """`tie_word_embeddings` of a `ModelConfig` (text or top level) or of any config object carrying it."""
+    if hasattr(cfg, "text") and hasattr(cfg, "top"):
+        return bool(cfg.text.tie_word_embeddings or cfg.top.get("tie_word_embeddings", False))
+    return bool(getattr(cfg, "tie_word_embeddings", False))
 
 
 def _describe(shape, dtype) -> str:
@@ -40,13 +50,15 @@ def _describe(shape, dtype) -> str:
 class _Matcher:
     """Sorts on-disk keys into slots of our tensors, n-gram shards, derived buffers, extras and problems."""
 
-    def __init__(self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str):
+    def __init__(self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str, tie: bool):
         self.ours, self.buffers, self.style = ours, buffers, style
+        self.shared = shares_embedding(ours)
+        self.tie = tie or self.shared
         plan = layout.build_plan({k: t.shape for k, t in ours.items()}, style=style, split_ngram_parts=1)
         self.tables = {s.our_key: s for s in plan.values() if layout.NGRAM_SHARD.match(s.disk_key)}
         self.plan = {k: s for k, s in plan.items() if s.our_key not in self.tables}
-        if tied_lm_head(ours):
-            self.plan.pop("lm_head.weight", None)
+        if self.shared:
+            self.plan.pop(HEAD, None)  # loading the embedding fills both
         self.slots: list[layout.Slot] = []
         self.shards: dict[str, dict[int, str]] = defaultdict(dict)
         self.derived: list[tuple[str, str]] = []  # (disk key, our buffer name)
@@ -70,8 +82,8 @@ class _Matcher:
             self._add_derived(key, name, shape, dtype)
         elif layout.is_extra(key):
             self.extras.append(key)
-        elif key == "lm_head.weight" and tied_lm_head(self.ours):
-            pass  # tied: the embedding already holds these values
+        elif key == HEAD and self.shared:
+            pass  # physically tied: the embedding already holds these values
         else:
             self.problems.append(f"unexpected: {key} {_describe(shape, dtype)}")
 
@@ -86,6 +98,10 @@ class _Matcher:
 
     def finish(self, headers: dict) -> None:
         """Resolve n-gram shards into row slots and list missing keys."""
+        embed = layout.to_disk_name(EMBED, self.style)
+        if self.tie and HEAD in self.plan and HEAD not in headers and embed in headers:
+            # Tied checkpoints omit lm_head (as transformers saves them): fill it from the embedding.
+            self.slots.append(layout.Slot(embed, HEAD, self.plan.pop(HEAD).shape))
         self.problems += [f"missing: {k} {list(s.shape)}" for k, s in self.plan.items() if k not in headers]
         for table, first in self.tables.items():
             self._table_slots(table, first.disk_key.rsplit(".shard_", 1)[0], headers)
@@ -145,7 +161,8 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
     headers, problems = read_headers(files, weight_map)
     style = layout.detect_style(headers) if prefix_style == "auto" else prefix_style
     ours, buffers = _model_tensors(model)
-    match = _Matcher(ours, buffers, style)
+    cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
+    match = _Matcher(ours, buffers, style, ties_embeddings(cfg))
     for key, (_, shape, dtype) in headers.items():
         match.add(key, shape, dtype)
     match.finish(headers)

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
-from flashnext.checkpoint.load import tied_lm_head
+from flashnext.checkpoint.load import EMBED, HEAD, shares_embedding, ties_embeddings
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
 
@@ -39,15 +39,28 @@ def model_config_of(model: torch.nn.Module) -> ModelConfig:
     )
 
 
-def _entries(model: torch.nn.Module, style: str, split_ngram_parts: int) -> list[tuple[str, torch.Tensor]]:
+def _skip_head(ours: dict[str, torch.Tensor], tie: bool) -> bool:
+    """Tied checkpoints carry no `lm_head.weight` (as transformers writes them)."""
+    if shares_embedding(ours):
+        return True
+    if not tie or HEAD not in ours:
+        return False
+    if torch.equal(ours[HEAD], ours[EMBED]):
+        return True
+    raise CheckpointError(
+        f"tie_word_embeddings=True but {HEAD} differs from {EMBED}: a tied checkpoint cannot hold both"
+    )
+
+
+def _entries(model: torch.nn.Module, style: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """(disk key, tensor view) for every tensor to write, in our state_dict order, then buffers, then extras."""
     ours = model.state_dict()
-    tied = tied_lm_head(ours)
+    skip_head = _skip_head(ours, ties_embeddings(cfg))
     out: list[tuple[str, torch.Tensor]] = []
     for key, tensor in ours.items():
-        if layout.is_derived_buffer(key) or (tied and key == "lm_head.weight"):
+        if layout.is_derived_buffer(key) or (skip_head and key == HEAD):
             continue
-        for slot in layout.slots_for(key, tensor.shape, style=style, split_ngram_parts=split_ngram_parts):
+        for slot in layout.slots_for(key, tensor.shape, style=style, split_ngram_parts=cfg.text.split_ngram_parts):
             out.append((slot.disk_key, tensor[slot.index]))
     for key, buf in model.named_buffers():
         if layout.is_derived_buffer(key):
@@ -75,10 +88,7 @@ def _shard(entries: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list
 
 def _config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     out = cfg.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    out["dtype"] = name
-    if cfg.composite:
-        out["text_config"]["dtype"] = name
+    out["dtype"] = str(dtype).removeprefix("torch.")  # transformers' dtype="auto" reads this
     return out
 
 
@@ -111,7 +121,7 @@ def save_pretrained(
     """
     cfg = config or model_config_of(model)
     style = layout.COMPOSITE if cfg.composite else layout.TEXT
-    entries = _entries(model, style, cfg.text.split_ngram_parts)
+    entries = _entries(model, style, cfg)
     files = _shard(entries, max_shard_bytes)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
