@@ -71,8 +71,9 @@ def read_headers(files: list[Path], weight_map: dict[str, Path] | None):
     """Read every file's header (never tensor data).
 
     Returns:
-        (headers, problems): `headers` maps key -> (file, shape, dtype name); `problems` lists unreadable
-        (truncated/corrupt) files by name and index entries their file lacks.
+        (headers, problems, lost): `headers` maps key -> (file, shape, dtype name); `problems` lists unreadable
+        (truncated/corrupt) files by name and index entries their file lacks; `lost` holds the keys the index
+        places in unreadable files (already reported through their file, so not "missing" as well).
     """
     headers: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     problems: list[str] = []
@@ -86,11 +87,13 @@ def read_headers(files: list[Path], weight_map: dict[str, Path] | None):
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
             unreadable.add(file)
             problems.append(f"unreadable file: {file.name} ({type(e).__name__}: {e})")
-    if weight_map is not None:
-        for key, file in weight_map.items():
-            if file not in unreadable and headers.get(key, (None,))[0] != file:
-                problems.append(f"index lists {key} in {file.name}, which lacks it")
-    return headers, problems
+    lost: set[str] = set()
+    for key, file in (weight_map or {}).items():
+        if file in unreadable:
+            lost.add(key)
+        elif headers.get(key, (None,))[0] != file:
+            problems.append(f"index lists {key} in {file.name}, which lacks it")
+    return headers, problems, lost
 
 
 class StreamReader:

@@ -96,15 +96,19 @@ class _Matcher:
         else:
             self.derived.append((key, name))
 
-    def finish(self, headers: dict) -> None:
-        """Resolve n-gram shards into row slots and list missing keys."""
+    def finish(self, headers: dict, lost: set[str]) -> None:
+        """Resolve n-gram shards into row slots and list missing keys (`lost` ones sit in unreadable files)."""
         embed = layout.to_disk_name(EMBED, self.style)
         if self.tie and HEAD in self.plan and HEAD not in headers and embed in headers:
             # Tied checkpoints omit lm_head (as transformers saves them): fill it from the embedding.
             self.slots.append(layout.Slot(embed, HEAD, self.plan.pop(HEAD).shape))
-        self.problems += [f"missing: {k} {list(s.shape)}" for k, s in self.plan.items() if k not in headers]
+        self.problems += [
+            f"missing: {k} {list(s.shape)}" for k, s in self.plan.items() if k not in headers and k not in lost
+        ]
         for table, first in self.tables.items():
-            self._table_slots(table, first.disk_key.rsplit(".shard_", 1)[0], headers)
+            disk_pre = first.disk_key.rsplit(".shard_", 1)[0]
+            if not any(k.startswith(disk_pre + ".shard_") for k in lost):
+                self._table_slots(table, disk_pre, headers)
 
     def _table_slots(self, table: str, disk_pre: str, headers: dict) -> None:
         shape = tuple(self.ours[table].shape)
@@ -158,14 +162,14 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
     if prefix_style not in PREFIX_STYLES:
         raise CheckpointError(f"prefix_style={prefix_style!r}: expected one of {PREFIX_STYLES}")
     files, weight_map = checkpoint_files(path)
-    headers, problems = read_headers(files, weight_map)
+    headers, problems, lost = read_headers(files, weight_map)
     style = layout.detect_style(headers) if prefix_style == "auto" else prefix_style
     ours, buffers = _model_tensors(model)
     cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
     match = _Matcher(ours, buffers, style, ties_embeddings(cfg))
     for key, (_, shape, dtype) in headers.items():
         match.add(key, shape, dtype)
-    match.finish(headers)
+    match.finish(headers, lost)
     problems += match.problems
     reader = StreamReader()
     try:
