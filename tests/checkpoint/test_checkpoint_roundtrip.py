@@ -84,3 +84,14 @@ def test_load_casts_to_requested_dtype(tmp_path):
     back = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "ours")
     assert back.dtype == torch.bfloat16
     assert_same_tensors(back.state_dict(), want)
+
+
+def test_tiny_chunks_and_remaps_copy_exactly(tmp_path, monkeypatch):
+    """Force the streaming reader to copy a few rows at a time and remap files constantly."""
+    from flashnext.checkpoint import files
+
+    monkeypatch.setattr(files, "CHUNK_BYTES", 100)
+    monkeypatch.setattr(files, "MAP_BUDGET_BYTES", 300)
+    ref = build_text_reference(split_ngram_parts=3)
+    ref.save_pretrained(tmp_path / "ref", max_shard_size="40KB")
+    assert_same_tensors(ours_with_buffers(flashnext.from_pretrained(tmp_path / "ref")), ref.state_dict())
