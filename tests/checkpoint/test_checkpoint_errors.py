@@ -49,7 +49,7 @@ def test_every_bad_key_in_one_error(ckpt):
     assert len(err.value.problems) == 5, problems
     for needle in (
         "missing: model.layers.0.mlp.gate.weight",
-        f"missing: {PLE}.ngram_embedding shards are [0, 1, 3]",
+        f"missing: {PLE}.ngram_embedding.shard_2.weight (shards present: [0, 1, 3])",
         "unexpected: model.layers.0.mlp.bogus.weight",
         "mis-shaped: model.layers.1.mlp.experts.2.up_proj.weight is [17, 32] F32, expected [16, 32]",
         "wrong dtype: model.embed_tokens.weight is [128, 32] I32, expected floating point",

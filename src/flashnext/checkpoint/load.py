@@ -25,8 +25,6 @@ from flashnext.checkpoint.files import StreamReader, checkpoint_files, is_float_
 from flashnext.errors import CheckpointError
 
 PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE)
-
-
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -92,7 +90,7 @@ class _Matcher:
         if buf is None:
             return  # a model without this buffer derives nothing to check against
         if is_float_dtype(dtype) or shape != tuple(buf.shape):
-            self.problems.append(f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(buf.shape)} int")
+            self.problems.append(f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(buf.shape)} integer")
         else:
             self.derived.append((key, name))
 
@@ -117,8 +115,9 @@ class _Matcher:
             self.problems.append(f"missing: {disk_pre}.shard_*.weight (n-gram table {table} {list(shape)})")
             return
         order = sorted(found)
-        if order != list(range(len(order))):
-            self.problems.append(f"missing: {disk_pre} shards are {order}, expected shard_0..shard_{len(order)-1}")
+        gaps = sorted(set(range(order[-1] + 1)) - set(order))
+        if gaps:
+            self.problems += [f"missing: {disk_pre}.shard_{j}.weight (shards present: {order})" for j in gaps]
             return
         rows, start, bad = [], 0, []
         for j in order:
