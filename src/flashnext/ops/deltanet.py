@@ -79,7 +79,7 @@ def chunk_gated_delta_rule(
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [NC, H, C, ...]
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[src]
         x = x.view(NC, C, *x.shape[1:])
-        return x.transpose(1, 2)
+        return x.transpose(1, 2).contiguous()
 
     qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
     gc, bc = to_chunks(g), to_chunks(beta)  # [NC, H, C]
@@ -100,10 +100,10 @@ def _intra_chunk(q, k, v, g, beta):
     v_beta = v * beta.unsqueeze(-1)
     # (I + strictly-lower(k_beta k^T * decay)) is the unit lower-triangular system of the chunk's delta updates.
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
-    )
+    # One solve for both right-hand sides.
+    rhs = torch.cat([v_beta, k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    new_v, k_cumdecay = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     intra = (q @ k.transpose(-1, -2)) * decay
     q_dec = q * cum.exp().unsqueeze(-1)
     k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)

@@ -16,7 +16,7 @@ import torch
 from flashnext.batch import Segments
 
 SCORE_BUDGET = 1 << 24  # elements of the [Tq, Hi, NB] score tensor per chunk
-GATHER_BUDGET = 1 << 24  # elements of the gathered [Tq, n, Hkv, D] keys per chunk
+GATHER_BUDGET = 1 << 21  # elements of the gathered [Hkv, Tq, n, D] keys per chunk (8 MiB fp32)
 
 
 def complete_blocks(seg: Segments, ratio: int) -> torch.Tensor:
@@ -93,6 +93,10 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected tokens, in query chunks.
 
+    Keys and values are gathered head-major (`[Hkv, Tq, n, D]`, contiguous) so both products are plain batched
+    matmuls and the gather's backward is an `index_add`. Chunks stay small enough for the allocator to reuse
+    their memory.
+
     Args:
         q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens`.
 
@@ -101,16 +105,21 @@ def sparse_attention(
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
+    G = H // Hkv
     n = sel.shape[1]
     step = max(1, GATHER_BUDGET // max(1, n * Hkv * D))
+    k_h, v_h = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [Hkv, T, D]
+    q_h = q.view(T, Hkv, G, D).transpose(0, 1).contiguous()  # [Hkv, T, G, D]
     outs = []
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        idx = sel[t0:t1]
-        qc = q[t0:t1].view(t1 - t0, Hkv, H // Hkv, D)
-        ks, vs = k[idx], v[idx]  # [Tq, n, Hkv, D]
-        w = torch.einsum("tkgd,tnkd->tkgn", qc, ks) * scale
-        w = w.masked_fill(~ok[t0:t1, None, None, :], float("-inf"))
+        idx = sel[t0:t1].flatten()
+        ks = k_h.index_select(1, idx).view(Hkv, t1 - t0, n, D)
+        vs = v_h.index_select(1, idx).view(Hkv, t1 - t0, n, D)
+        w = torch.matmul(q_h[:, t0:t1], ks.transpose(-1, -2)) * scale  # [Hkv, Tq, G, n]
+        w = w.masked_fill(~ok[None, t0:t1, None, :], float("-inf"))
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        outs.append(torch.einsum("tkgn,tnkd->tkgd", w, vs).reshape(t1 - t0, H, D))
-    return torch.cat(outs) if outs else q.new_zeros(0, H, D)
+        outs.append(torch.matmul(w, vs))  # [Hkv, Tq, G, D]
+    if not outs:
+        return q.new_zeros(0, H, D)
+    return torch.cat(outs, dim=1).permute(1, 0, 2, 3).reshape(T, H, D)
