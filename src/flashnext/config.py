@@ -217,7 +217,7 @@ class TextConfig:
     def from_dict(cls, data: dict[str, Any]) -> TextConfig:
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
-        extra = {k: v for k, v in data.items() if k not in known}
+        extra = {k: v for k, v in data.items() if k not in known and k != "model_type"}
         # Older configs keep rope fields at the top level.
         if kwargs.get("rope_parameters") is None and ("rope_theta" in extra or "partial_rotary_factor" in extra):
             kwargs["rope_parameters"] = {

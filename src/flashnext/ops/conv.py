@@ -20,11 +20,13 @@ def causal_conv1d_varlen(
         dilation: spacing between taps.
 
     Returns:
-        [T, C] in `weight`'s dtype.
+        [T, C] in `weight`'s dtype; taps are summed in fp32 (as a bf16 `Conv1d` accumulates), then rounded once.
     """
     T, C = x.shape
     K = weight.shape[-1]
-    x = x.to(weight.dtype)
+    out_dtype = weight.dtype
+    x = x.to(out_dtype).float()
+    weight = weight.float()
     pad = (K - 1) * dilation
     x_pad = torch.cat([x.new_zeros(pad, C), x], dim=0)
     out = x * weight[:, K - 1]
@@ -32,4 +34,4 @@ def causal_conv1d_varlen(
         shift = k * dilation
         visible = (pos_in_seq >= shift).to(x.dtype).unsqueeze(-1)
         out = out + x_pad[pad - shift : pad - shift + T] * visible * weight[:, K - 1 - k]
-    return out
+    return out.to(out_dtype)
