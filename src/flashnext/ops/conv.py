@@ -25,8 +25,9 @@ def causal_conv1d_varlen(
     T, C = x.shape
     K = weight.shape[-1]
     out_dtype = weight.dtype
-    x = x.to(out_dtype).float()
-    weight = weight.float()
+    acc = torch.promote_types(out_dtype, torch.float32)
+    x = x.to(out_dtype).to(acc)
+    weight = weight.to(acc)
     pad = (K - 1) * dilation
     x_pad = torch.cat([x.new_zeros(pad, C), x], dim=0)
     out = x * weight[:, K - 1]
