@@ -54,13 +54,22 @@ class Segments:
         return torch.arange(self.num_tokens, device=self.seq_start.device) - self.seq_start
 
 
-def make_segments(cu_seqlens: torch.Tensor, num_tokens: int, position_ids: torch.Tensor | None = None) -> Segments:
+def make_segments(
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    position_ids: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Segments:
     """Validate `cu_seqlens` against a stream of `num_tokens` and derive per-token indices.
+
+    `cu_seqlens` is host metadata: it is read once (one sync on an accelerator) and the per-token indices are
+    built from it, so a stream on the `meta` device works with a CPU `cu_seqlens`.
 
     Args:
         cu_seqlens: int [N+1] cumulative sequence lengths.
         num_tokens: T, the length of the flat stream.
         position_ids: optional int64 [T] or [3, T]; defaults to the offset within each sequence.
+        device: where the per-token tensors live (default: `cu_seqlens`' device).
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise InputError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
@@ -70,17 +79,17 @@ def make_segments(cu_seqlens: torch.Tensor, num_tokens: int, position_ids: torch
     lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:], strict=True)]
     if any(n < 0 for n in lengths):
         raise InputError(f"cu_seqlens must be non-decreasing, got {cu_host}")
-    device = cu_seqlens.device
-    lens_t = torch.tensor(lengths, dtype=torch.long, device=device)
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens_t, output_size=num_tokens)
-    starts = torch.tensor(cu_host[:-1], dtype=torch.long, device=device)
-    seq_start = starts[seq_idx]
+    device = torch.device(device) if device is not None else cu_seqlens.device
+    lens_t = torch.tensor(lengths, dtype=torch.long)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lens_t, output_size=num_tokens)
+    seq_start = torch.tensor(cu_host[:-1], dtype=torch.long)[seq_idx]
+    seq_idx, seq_start = seq_idx.to(device), seq_start.to(device)
     if position_ids is None:
         position_ids = torch.arange(num_tokens, device=device) - seq_start
     elif position_ids.shape[-1] != num_tokens or position_ids.dim() not in (1, 2):
         raise InputError(f"position_ids must be [T] or [3, T] with T={num_tokens}, got {tuple(position_ids.shape)}")
     return Segments(
-        cu_seqlens=cu_seqlens.to(torch.int32),
+        cu_seqlens=torch.tensor(cu_host, dtype=torch.int32, device=device),
         position_ids=position_ids.long(),
         max_seqlen=max(lengths, default=0),
         seq_idx=seq_idx,
@@ -101,8 +110,11 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position
     if input_ids.dim() != 2:
         raise InputError(f"padded input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     B, S = input_ids.shape
-    if attention_mask is None:
-        keep = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+    if attention_mask is None:  # every token is real: a reshape (works on the meta device too)
+        cu = torch.arange(B + 1, dtype=torch.int32) * S
+        flat = input_ids.reshape(B * S)
+        pos = None if position_ids is None else position_ids.reshape(*position_ids.shape[:-2], B * S)
+        return flat, make_segments(cu, B * S, pos, device=input_ids.device), None
     else:
         if attention_mask.shape != input_ids.shape:
             raise InputError(
@@ -124,11 +136,13 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position
         pos = position_ids[..., keep] if position_ids.dim() == 3 else position_ids[keep]
     else:
         pos = None
-    return flat, make_segments(cu, flat.shape[0], pos), keep
+    return flat, make_segments(cu, flat.shape[0], pos, device=input_ids.device), keep
 
 
-def pad_back(flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Scatter a flat `[T, ...]` tensor back to `[B, S, ...]` (zeros at padding)."""
+def pad_back(flat: torch.Tensor, keep: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """Scatter a flat `[T, ...]` tensor back to `[B, S, ...]` (zeros at padding; `keep=None`: no padding)."""
+    if keep is None:
+        return flat.view(*shape, *flat.shape[1:])
     out = flat.new_zeros(*keep.shape, *flat.shape[1:])
     out[keep] = flat
     return out

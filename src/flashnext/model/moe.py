@@ -53,7 +53,8 @@ class Experts(nn.Module):
         """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D]."""
         T, k = experts.shape
         flat_e = experts.flatten()
-        if flat_e.numel() * 2 < self.num_experts:
+        # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
+        if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
             return self._gathered(x, flat_e, weights)
         return self._grouped(x, flat_e, weights)
 

@@ -94,19 +94,20 @@ class FlashNextForCausalLM(nn.Module):
                 )
             ids, seg, keep = unpad(input_ids, attention_mask, position_ids)
             if labels is not None:
-                labels = labels[keep]
+                labels = labels.reshape(-1) if keep is None else labels[keep]
         else:
             if input_ids.dim() != 1:
                 raise InputError(f"input_ids must be [B, S] or flat [T], got shape {tuple(input_ids.shape)}")
             if cu_seqlens is None:
                 cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
-            ids, seg = input_ids, make_segments(cu_seqlens, input_ids.shape[0], position_ids)
+            ids = input_ids
+            seg = make_segments(cu_seqlens, input_ids.shape[0], position_ids, device=input_ids.device)
         self._check_ids(ids)
         hidden, experts = self.model(ids, seg, routed_experts)
         logits = self.lm_head(hidden)
         loss = None if labels is None else causal_lm_loss(logits, labels, seg)
         if padded:
-            logits = pad_back(logits, keep)
+            logits = pad_back(logits, keep, tuple(input_ids.shape))
         return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
 
     def _check_ids(self, ids: torch.Tensor) -> None:

@@ -65,19 +65,19 @@ def chunk_gated_delta_rule(
     nchunks = [-(-n // C) for n in lengths]
     NC = sum(nchunks)
 
-    # Slot layout: chunk-aligned copy of the stream; slot index -> token index (T = the zero row).
-    cu_t = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
-    chunk_seq = torch.repeat_interleave(
-        torch.arange(N, device=device), torch.tensor(nchunks, device=device), output_size=NC
-    )
-    first_chunk = torch.tensor([0] + nchunks, device=device).cumsum(0)[:-1]
-    chunk_j = torch.arange(NC, device=device) - first_chunk[chunk_seq]
-    slot_tok = (cu_t[chunk_seq] + chunk_j * C)[:, None] + torch.arange(C, device=device)
-    valid = slot_tok < cu_t[chunk_seq + 1][:, None]
-    src = torch.where(valid, slot_tok, T).flatten()
+    # Slot layout: chunk-aligned copy of the stream; slot -> token (T = the zero row) and token -> slot.
+    # Built on the host from the lengths (no device sync; works on the meta device).
+    cu_t = torch.tensor(cu_seqlens, dtype=torch.long)
+    chunk_seq = torch.repeat_interleave(torch.arange(N), torch.tensor(nchunks), output_size=NC)
+    first_chunk = torch.tensor([0] + nchunks).cumsum(0)[:-1]
+    chunk_j = torch.arange(NC) - first_chunk[chunk_seq]
+    slot_tok = (cu_t[chunk_seq] + chunk_j * C)[:, None] + torch.arange(C)
+    valid = (slot_tok < cu_t[chunk_seq + 1][:, None]).flatten()
+    src = torch.where(valid, slot_tok.flatten(), T).to(device)
+    tok_slot = valid.nonzero().flatten().to(device)
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [NC, H, C, ...]
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[src]
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, src)
         x = x.view(NC, C, *x.shape[1:])
         return x.transpose(1, 2).contiguous()
 
@@ -86,7 +86,7 @@ def chunk_gated_delta_rule(
 
     intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
     o_chunks, final = _scan(intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay, nchunks, initial_state, H, K, V)
-    o = o_chunks.transpose(1, 2).reshape(NC * C, H, V)[valid.flatten()]
+    o = o_chunks.transpose(1, 2).reshape(NC * C, H, V).index_select(0, tok_slot)
     return o.to(out_dtype), final
 
 

@@ -9,6 +9,7 @@ Legend: T tokens, Tq queries in a chunk, Hi/Di indexer heads/dim, NB blocks, n s
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -20,11 +21,12 @@ GATHER_BUDGET = 1 << 21  # elements of the gathered [Hkv, Tq, n, D] keys per chu
 
 
 def complete_blocks(seg: Segments, ratio: int) -> torch.Tensor:
-    """int64 [NB]: flat index of the first token of every complete c-token block, in stream order."""
-    pos = seg.pos_in_seq
-    seq_len = torch.tensor(seg.lengths, dtype=torch.long, device=pos.device)[seg.seq_idx]
-    is_start = (pos % ratio == 0) & (pos + ratio <= seq_len)
-    return is_start.nonzero().flatten()
+    """int64 [NB]: flat index of the first token of every complete c-token block, in stream order.
+
+    Built from the host lengths, so it needs no device sync and works on the meta device.
+    """
+    starts = [a + j * ratio for a, n in zip(seg.cu_host[:-1], seg.lengths, strict=True) for j in range(n // ratio)]
+    return torch.tensor(starts, dtype=torch.long).to(seg.seq_idx.device)
 
 
 def pool_block_keys(raw_k: torch.Tensor, block_start: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -58,13 +60,18 @@ def select_tokens(
     NB = block_start.numel()
     step = max(1, SCORE_BUDGET // max(1, Hi * NB))
     arange_c = torch.arange(ratio, device=device)
+    cu = seg.cu_host
+    blocks_before = [0]  # complete blocks in sequences 0..n-1
+    for length in seg.lengths:
+        blocks_before.append(blocks_before[-1] + length // ratio)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         t = torch.arange(t0, t1, device=device)
         s = seg.seq_start[t0:t1]
-        # Blocks visible to this chunk lie in [seq_start of its first query, t1).
-        b_lo = int(torch.searchsorted(block_start, s[:1]).item()) if NB else 0
-        b_hi = int(torch.searchsorted(block_start, torch.tensor([t1], device=device)).item()) if NB else 0
+        # The chunk sees blocks from its first query's sequence start up to those complete by t1 (host math).
+        first, last = bisect.bisect_right(cu, t0) - 1, bisect.bisect_right(cu, t1 - 1) - 1
+        b_lo = blocks_before[first]
+        b_hi = blocks_before[last] + min(seg.lengths[last], t1 - cu[last]) // ratio
         k_blocks = min(block_topk, b_hi - b_lo)
         if k_blocks > 0:
             starts = block_start[b_lo:b_hi]
