@@ -6,7 +6,8 @@ Config (issue 2): hidden 256, 8 layers (6 Gated DeltaNet, 2 QSA), 16 experts top
 The reference is built with every weight randomised (tests/reference harness) and saved in the official layout;
 ours loads that checkpoint through `flashnext.from_pretrained`, so both compute the same function. Their logits
 are compared before anything is timed. Each figure is the median of `--repeats` runs after `--warmup` untimed
-runs. Other load on the machine skews both sides; run it on an otherwise idle box.
+runs; ours and the reference alternate run by run, so other load on the machine falls on both alike (on a
+shared 2-core box it still adds noise: run it on an otherwise idle machine).
 
 Output, per sequence length n:
     seq=<n> fwd ours=<tok/s> ref=<tok/s> ratio=<x>
@@ -83,17 +84,23 @@ def logits_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def median_seconds(fn, repeats: int, warmup: int) -> tuple[float, object]:
-    """`warmup` untimed calls, then the median wall time of `repeats` calls; also the last call's result."""
-    result = None
+def median_seconds(fns: dict, repeats: int, warmup: int) -> tuple[dict[str, float], dict[str, object]]:
+    """Median wall time of each of `fns` over `repeats` runs, after `warmup` untimed runs of each.
+
+    The runs alternate between the functions, so load from elsewhere on the machine falls on both sides alike.
+    Also returns each function's last result.
+    """
+    results = {}
     for _ in range(warmup):
-        result = fn()
-    times = []
+        for name, fn in fns.items():
+            results[name] = fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, results
 
 
 def forward_fn(model, ids):
@@ -160,15 +167,17 @@ def main(argv=None) -> int:
     fwd_bwd_ratios = {}
     for seq in args.seqs:
         ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=gen)
-        t_ours, lo = median_seconds(forward_fn(ours, ids), args.repeats, args.warmup)
-        t_ref, lr = median_seconds(forward_fn(ref, ids), args.repeats, args.warmup)
-        print(f"seq={seq} fwd ours={seq / t_ours:.1f} ref={seq / t_ref:.1f} ratio={t_ref / t_ours:.2f}", flush=True)
-        print(f"# seq={seq} logits rel. error {rel_error(lo, lr):.2e}", flush=True)
-        del lo, lr
-        t_ours, _ = median_seconds(forward_backward_fn(ours, ids), args.repeats, args.warmup)
-        t_ref, _ = median_seconds(forward_backward_fn(ref, ids), args.repeats, args.warmup)
-        fwd_bwd_ratios[seq] = t_ref / t_ours
-        print(f"seq={seq} fwd_bwd ours={seq / t_ours:.1f} ref={seq / t_ref:.1f} ratio={t_ref / t_ours:.2f}", flush=True)
+        t, out = median_seconds({"ours": forward_fn(ours, ids), "ref": forward_fn(ref, ids)}, args.repeats, args.warmup)
+        print(f"seq={seq} fwd ours={seq / t['ours']:.1f} ref={seq / t['ref']:.1f} ratio={t['ref'] / t['ours']:.2f}")
+        print(f"# seq={seq} logits rel. error {rel_error(out['ours'], out['ref']):.2e}", flush=True)
+        del out
+        fns = {"ours": forward_backward_fn(ours, ids), "ref": forward_backward_fn(ref, ids)}
+        t, _ = median_seconds(fns, args.repeats, args.warmup)
+        fwd_bwd_ratios[seq] = t["ref"] / t["ours"]
+        print(
+            f"seq={seq} fwd_bwd ours={seq / t['ours']:.1f} ref={seq / t['ref']:.1f} ratio={t['ref'] / t['ours']:.2f}",
+            flush=True,
+        )
     print(" ".join(f"fwd_bwd_ratio_{seq}={r:.2f}" for seq, r in fwd_bwd_ratios.items()))
     return 0
 
