@@ -162,9 +162,7 @@ def forward_and_check(model, reloaded, cfg: TextConfig, args: argparse.Namespace
     say(f"  forward {t_padded * 1e3:.1f} ms (median of {args.repeats}), {n_real / t_padded:,.0f} tokens/s")
 
     if packed.shape != (n_tokens, cfg.vocab_size) or padded.shape != (*ids.shape, cfg.vocab_size):
-        raise DemoCheckFailed(
-            f"unexpected logits shapes: packed {tuple(packed.shape)}, padded {tuple(padded.shape)}"
-        )
+        raise DemoCheckFailed(f"unexpected logits shapes: packed {tuple(packed.shape)}, padded {tuple(padded.shape)}")
     if not torch.isfinite(packed).all():
         raise DemoCheckFailed("packed logits contain NaN or inf")
     if not torch.equal(packed, packed_again):

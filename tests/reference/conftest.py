@@ -66,10 +66,7 @@ def tiny_text_config(**overrides) -> dict:
     `partial_rotary_factor=` and `rope_theta=` are accepted as shortcuts into `rope_parameters`.
     `ple_layer_ids=[]` turns PLE off; `indexer_n_heads=None` (with the other indexer fields) turns QSA off.
     """
-    cfg = {
-        k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
-        for k, v in _TINY.items()
-    }
+    cfg = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v) for k, v in _TINY.items()}
     rope = cfg["rope_parameters"]
     for key in ("partial_rotary_factor", "rope_theta"):
         if key in overrides:
