@@ -112,48 +112,45 @@ def _intra_chunk(q, k, v, g, beta):
 
 
 def _scan(intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay, nchunks, initial_state, H, K, V):
-    """Carry the state across chunks; step j runs the j-th chunk of every sequence that has one."""
+    """Carry the state across chunks; step j runs the j-th chunk of every sequence that has one.
+
+    Chunks are permuted once into step-major order (longest sequences first, so the sequences still running at
+    step j are a prefix) and `split` into per-step views: autograd then joins the per-step gradients with one
+    `cat`, instead of a full-size scatter per step (which made long sequences quadratic).
+    """
     N = len(nchunks)
     device = new_v.device
-    order = sorted(range(N), key=lambda n: -nchunks[n])  # longest first: running sequences form a prefix
-    first = [0] * N
-    acc = 0
-    for n in range(N):
-        first[n] = acc
-        acc += nchunks[n]
-    base = torch.tensor([first[n] for n in order], dtype=torch.long, device=device)
-    counts = [nchunks[n] for n in order]
+    order = sorted(range(N), key=lambda n: -nchunks[n])
+    first = [sum(nchunks[:n]) for n in range(N)]
+    steps = nchunks[order[0]] if N else 0
+    running = [sum(1 for n in order if nchunks[n] > j) for j in range(steps)]
+    perm = [first[order[r]] + j for j in range(steps) for r in range(running[j])]
+    perm_t = torch.tensor(perm, dtype=torch.long, device=device)
+    pieces = [x.index_select(0, perm_t).split(running) for x in (intra, new_v, k_cumdecay, q_dec, k_dec, chunk_decay)]
     if initial_state is None:
         S = new_v.new_zeros(N, H, K, V)
     else:
-        S = initial_state.float()[torch.tensor(order, device=device)]
-    finals = [None] * N
-    outs, out_ids = [], []
-    steps = counts[0] if counts else 0
+        S = initial_state.float().index_select(0, torch.tensor(order, dtype=torch.long, device=device))
+    finals: list = [None] * N
+    outs = []
     active = N
-    for j in range(steps + 1):
-        running = sum(1 for c in counts if c > j)
-        for r in range(running, active):  # sequences that finished before step j
+    for j in range(steps):
+        for r in range(running[j], active):  # sequences that finished before step j
             finals[order[r]] = S[r]
-        if running == 0:
-            break
-        S = S[:running]
-        active = running
-        ids = base[:running] + j
-        v_new = new_v[ids] - k_cumdecay[ids] @ S
-        outs.append(q_dec[ids] @ S + intra[ids] @ v_new)
-        out_ids.append(ids)
-        S = S * chunk_decay[ids][..., None, None] + k_dec[ids].transpose(-1, -2) @ v_new
+        active = running[j]
+        S = S[:active]
+        a_intra, a_new_v, a_kcd, a_qdec, a_kdec, a_decay = (p[j] for p in pieces)
+        v_new = a_new_v - a_kcd @ S
+        outs.append(a_qdec @ S + a_intra @ v_new)
+        S = S * a_decay[..., None, None] + a_kdec.transpose(-1, -2) @ v_new
     for r in range(active):
-        if finals[order[r]] is None:
-            finals[order[r]] = S[r]
+        finals[order[r]] = S[r]
     final = torch.stack(finals) if N else new_v.new_zeros(0, H, K, V)
     if not outs:
         return new_v.new_zeros(0, H, new_v.shape[2], V), final
-    o_sorted = torch.cat(outs)
-    inverse = torch.empty_like(torch.cat(out_ids))
-    inverse[torch.cat(out_ids)] = torch.arange(inverse.numel(), device=device)
-    return o_sorted[inverse], final
+    inverse = torch.empty_like(perm_t)
+    inverse[perm_t] = torch.arange(len(perm), device=device)
+    return torch.cat(outs).index_select(0, inverse), final
 
 
 def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):

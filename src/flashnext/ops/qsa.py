@@ -17,7 +17,7 @@ import torch
 from flashnext.batch import Segments
 
 SCORE_BUDGET = 1 << 24  # elements of the [Tq, Hi, NB] score tensor per chunk
-GATHER_BUDGET = 1 << 21  # elements of the gathered [Hkv, Tq, n, D] keys per chunk (8 MiB fp32)
+GATHER_BUDGET = 1 << 21  # elements of one head's gathered [Tq, n, D] keys per chunk (8 MiB fp32)
 
 
 def complete_blocks(seg: Segments, ratio: int) -> torch.Tensor:
@@ -98,11 +98,12 @@ def select_tokens(
 def sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, ok: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Softmax attention of each query over its selected tokens, in query chunks.
+    """Softmax attention of each query over its selected tokens, per key/value head and query chunk.
 
-    Keys and values are gathered head-major (`[Hkv, Tq, n, D]`, contiguous) so both products are plain batched
-    matmuls and the gather's backward is an `index_add`. Chunks stay small enough for the allocator to reuse
-    their memory.
+    Each (kv head, chunk) is two 3-D `bmm`s on contiguous operands: `[Tq, G, D] x [Tq, n, D]^T` and
+    `[Tq, G, n] x [Tq, n, D]`, with the chunk's keys/values gathered by `index_select` (backward: `index_add`).
+    Query chunks are `split` views (backward: one `cat`, not a full-size zero tensor per chunk), and small enough
+    for the allocator to reuse their memory.
 
     Args:
         q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens`.
@@ -114,19 +115,22 @@ def sparse_attention(
     Hkv = k.shape[1]
     G = H // Hkv
     n = sel.shape[1]
-    step = max(1, GATHER_BUDGET // max(1, n * Hkv * D))
-    k_h, v_h = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [Hkv, T, D]
-    q_h = q.view(T, Hkv, G, D).transpose(0, 1).contiguous()  # [Hkv, T, G, D]
-    outs = []
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
-        idx = sel[t0:t1].flatten()
-        ks = k_h.index_select(1, idx).view(Hkv, t1 - t0, n, D)
-        vs = v_h.index_select(1, idx).view(Hkv, t1 - t0, n, D)
-        w = torch.matmul(q_h[:, t0:t1], ks.transpose(-1, -2)) * scale  # [Hkv, Tq, G, n]
-        w = w.masked_fill(~ok[None, t0:t1, None, :], float("-inf"))
-        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        outs.append(torch.matmul(w, vs))  # [Hkv, Tq, G, D]
-    if not outs:
+    if T == 0:
         return q.new_zeros(0, H, D)
-    return torch.cat(outs, dim=1).permute(1, 0, 2, 3).reshape(T, H, D)
+    step = max(1, GATHER_BUDGET // max(1, n * D))
+    heads = []
+    for h in range(Hkv):
+        k_h, v_h = k[:, h].contiguous(), v[:, h].contiguous()  # [T, D]
+        q_chunks = q[:, h * G : (h + 1) * G].contiguous().split(step)  # [Tq, G, D] each
+        outs = []
+        for i, t0 in enumerate(range(0, T, step)):
+            t1 = min(T, t0 + step)
+            idx = sel[t0:t1].flatten()
+            ks = k_h.index_select(0, idx).view(t1 - t0, n, D)
+            vs = v_h.index_select(0, idx).view(t1 - t0, n, D)
+            w = torch.bmm(q_chunks[i], ks.transpose(1, 2)) * scale  # [Tq, G, n]
+            w = w.masked_fill(~ok[t0:t1, None, :], float("-inf"))
+            w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            outs.append(torch.bmm(w, vs))  # [Tq, G, D]
+        heads.append(torch.cat(outs))
+    return torch.cat(heads, dim=1)
