@@ -95,6 +95,21 @@ def select_tokens(
     return sel, ok
 
 
+class _Scores(torch.autograd.Function):
+    """`q @ keys^T` for q [b, G, D], keys [b, n, D], with the keys' gradient produced directly in their layout
+    (`grad^T @ q`); autograd's bmm backward would build it transposed and then copy the large [b, n, D] tensor."""
+
+    @staticmethod
+    def forward(ctx, q, keys):
+        ctx.save_for_backward(q, keys)
+        return torch.bmm(q, keys.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys = ctx.saved_tensors
+        return torch.bmm(grad, keys), torch.bmm(grad.transpose(1, 2).contiguous(), q)
+
+
 def sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, ok: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -128,7 +143,7 @@ def sparse_attention(
             idx = sel[t0:t1].flatten()
             ks = k_h.index_select(0, idx).view(t1 - t0, n, D)
             vs = v_h.index_select(0, idx).view(t1 - t0, n, D)
-            w = torch.bmm(q_chunks[i], ks.transpose(1, 2)) * scale  # [Tq, G, n]
+            w = _Scores.apply(q_chunks[i], ks) * scale  # [Tq, G, n]
             w = w.masked_fill(~ok[t0:t1, None, :], float("-inf"))
             w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.bmm(w, vs))  # [Tq, G, D]
