@@ -141,6 +141,10 @@ def _check_swap_model(rank: int, world: int) -> dict:
     names = [n for n, _ in model.named_modules() if n.endswith("ple_embedding.ngram_embedding")]
     full_grad = model.get_submodule(names[0]).weight.grad.clone()
 
+    with torch.device("meta"):
+        meta_model = FlashNextForCausalLM(tiny_config())
+    meta_table = meta_model.get_submodule(swap_ngram_embeddings(meta_model)[0])
+
     model.zero_grad()
     swapped = swap_ngram_embeddings(model)
     table = model.get_submodule(swapped[0])
@@ -153,6 +157,7 @@ def _check_swap_model(rank: int, world: int) -> dict:
         "grad_err": _max_abs(table.weight.grad - full_grad[table.row_start : table.row_end]),
         "grad_scale": _max_abs(full_grad),
         "local_rows": (table.weight.shape[0], full_grad.shape[0]),
+        "meta_weight": (meta_table.weight.device.type, tuple(meta_table.weight.shape), tuple(table.weight.shape)),
     }
 
 
@@ -228,6 +233,8 @@ def test_swap_ngram_embeddings_in_tiny_model(world):
         local, full = r["local_rows"]
         start, end = row_ranges(full, world)[rank]
         assert local == end - start
+        device, meta_shape, shape = r["meta_weight"]
+        assert device == "meta" and meta_shape == shape
 
 
 def test_row_ranges_split():
