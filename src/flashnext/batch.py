@@ -37,10 +37,6 @@ class Segments:
         return self.seq_idx.shape[0]
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.lengths)
-
-    @property
     def cu_host(self) -> list[int]:
         """Host copy of `cu_seqlens` (no device sync)."""
         out = [0]

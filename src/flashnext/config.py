@@ -125,10 +125,6 @@ class TextConfig:
     def qsa_enabled(self) -> bool:
         return self.indexer_n_heads is not None
 
-    @property
-    def moe_layer_count(self) -> int:
-        return self.num_hidden_layers
-
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> None:
         bad = sorted(set(self.layer_types) - {LINEAR, INDEXED})
