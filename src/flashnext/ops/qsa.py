@@ -16,7 +16,7 @@ import torch
 
 from flashnext.batch import Segments
 
-SCORE_BUDGET = 1 << 24  # elements of the [Tq, Hi, NB] score tensor per chunk
+SCORE_BUDGET = 1 << 22  # elements of the [Tq, Hi, NB] score tensor per chunk (16 MiB fp32: memory gets reused)
 GATHER_BUDGET = 1 << 21  # elements of one head's gathered [Tq, n, D] keys per chunk (8 MiB fp32)
 
 
@@ -78,11 +78,14 @@ def select_tokens(
             scores = torch.einsum("thd,bd->thb", idx_q[t0:t1].float(), block_keys[b_lo:b_hi].float())
             scores = scores.relu().sum(1) / math.sqrt(Di)
             visible = (starts[None, :] >= s[:, None]) & (starts[None, :] + ratio <= t[:, None] + 1)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            # Stable descending sort over reversed blocks: among equal scores the later block comes first.
-            vals, order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
-            top = starts.flip(0)[order[:, :k_blocks]]  # [Tq, k]
-            top_ok = vals[:, :k_blocks] > float("-inf")
+            # Tie rule as one integer key: the fp32 bits of a score >= 0 order like the score itself, so
+            # (bits << 32) + block index ranks by score, then by the later block; invisible blocks get -1.
+            # (+ 0.0 turns a -0.0 from relu into +0.0, whose bits are 0.)
+            bits = (scores + 0.0).view(torch.int32).long()
+            key = torch.where(visible, (bits << 32) + torch.arange(b_hi - b_lo, device=device), -1)
+            vals, order = torch.topk(key, k_blocks, dim=-1)
+            top = starts[order]  # [Tq, k]
+            top_ok = vals >= 0
             width = k_blocks * ratio
             sel[t0:t1, :width] = (top[:, :, None] + arange_c).flatten(1)
             ok[t0:t1, :width] = top_ok[:, :, None].expand(-1, -1, ratio).flatten(1)
