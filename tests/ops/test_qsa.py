@@ -58,7 +58,7 @@ def test_sparse_attention_matches_reference(groups, monkeypatch):
     k = torch.randn(T, Hkv, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(T, Hkv, D, dtype=torch.float64, requires_grad=True)
     monkeypatch.setattr(qsa, "GATHER_BUDGET", 500)  # several query chunks
-    out = qsa.sparse_attention(q, k, v, sel, ok, 0.3)
+    out = qsa.sparse_attention(q, k, v, sel, ok, 0.3, seg, 4)
     ref = sparse_attention_ref(q, k, v, _as_sets(sel, ok), 0.3)
     # Both take the softmax in fp32 (as the reference's eager attention), hence fp32-level tolerances.
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -73,5 +73,5 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         sel, ok = self.indexer(x, cos, sin, seg)
         q, k, v, gate = self.project(x, cos, sin)
-        o = qsa.sparse_attention(q, k, v, sel, ok, self.scale)
+        o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, self.indexer.ratio)
         return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))

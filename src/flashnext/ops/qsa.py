@@ -99,8 +99,12 @@ def select_tokens(
 
 
 class _Scores(torch.autograd.Function):
-    """`q @ keys^T` for q [b, G, D], keys [b, n, D], with the keys' gradient produced directly in their layout
-    (`grad^T @ q`); autograd's bmm backward would build it transposed and then copy the large [b, n, D] tensor."""
+    """`q @ keys^T` for q [b, G, D], keys [b, n, D] (G = query heads per kv head, small).
+
+    CPU `bmm` falls back to a per-batch loop for some layouts (a non-contiguous batch stride, or a contiguous
+    operand whose inner dim is the small G), so the backward picks the fast layouts explicitly: a contiguous
+    incoming gradient, and `grad^T` as a transposed view rather than a copy.
+    """
 
     @staticmethod
     def forward(ctx, q, keys):
@@ -110,21 +114,60 @@ class _Scores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, keys = ctx.saved_tensors
-        return torch.bmm(grad, keys), torch.bmm(grad.transpose(1, 2).contiguous(), q)
+        grad = grad.contiguous()
+        return torch.bmm(grad, keys), torch.bmm(grad.transpose(1, 2), q)
+
+
+class _Mix(torch.autograd.Function):
+    """`p @ values` for p [b, G, n], values [b, n, D], with the backward layouts chosen as in `_Scores`."""
+
+    @staticmethod
+    def forward(ctx, p, values):
+        ctx.save_for_backward(p, values)
+        return torch.bmm(p, values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, values = ctx.saved_tensors
+        grad = grad.contiguous()
+        return torch.bmm(grad, values.transpose(1, 2)), torch.bmm(p.transpose(1, 2), grad)
+
+
+def aligned_slots(seg: Segments, ratio: int) -> tuple[torch.Tensor, int]:
+    """Block-aligned layout: each sequence padded to whole c-token blocks, so block b of a sequence is one row.
+
+    Returns:
+        slot int64 [T] (token -> row * c + offset in the padded layout) and the number of rows, from host lengths.
+    """
+    rows, base = 0, []
+    for length in seg.lengths:
+        base.append(rows)
+        rows += -(-length // ratio)
+    base_t = torch.tensor(base, dtype=torch.long).to(seg.seq_idx.device)
+    pos = seg.pos_in_seq
+    return base_t[seg.seq_idx] * ratio + pos, rows
 
 
 def sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, ok: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sel: torch.Tensor,
+    ok: torch.Tensor,
+    scale: float,
+    seg: Segments,
+    ratio: int,
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected tokens, per key/value head and query chunk.
 
-    Each (kv head, chunk) is two 3-D `bmm`s on contiguous operands: `[Tq, G, D] x [Tq, n, D]^T` and
-    `[Tq, G, n] x [Tq, n, D]`, with the chunk's keys/values gathered by `index_select` (backward: `index_add`).
-    Query chunks are `split` views (backward: one `cat`, not a full-size zero tensor per chunk), and small enough
-    for the allocator to reuse their memory.
+    The selection is whole blocks plus the tail, and both start at block boundaries of the query's sequence, so
+    keys/values are laid out block-aligned (`aligned_slots`) and gathered a block (c x D) per row: a quarter of
+    the rows of a token-wise gather. Each (kv head, chunk) is then two 3-D `bmm`s on contiguous operands. Query
+    chunks are `split` views (backward: one `cat`), small enough for the allocator to reuse their memory.
 
     Args:
-        q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens`.
+        q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens` (n = k_blocks * c + c - 1).
+        seg: the stream's segments; ratio: c, the QSA block size.
 
     Returns:
         [T, H, D] in q's dtype (softmax in fp32, as the reference's eager attention).
@@ -135,20 +178,28 @@ def sparse_attention(
     n = sel.shape[1]
     if T == 0:
         return q.new_zeros(0, H, D)
-    step = max(1, GATHER_BUDGET // max(1, n * D))
+    c = ratio
+    slot, rows = aligned_slots(seg, c)
+    # Rows to gather: the first token of every selected block and of the tail, mapped to its aligned block.
+    first = torch.cat([sel[:, : n - (c - 1) : c], sel[:, n - (c - 1) :][:, :1]], dim=1) if c > 1 else sel
+    blk = slot[first] // c  # [T, kb + 1]
+    nb = blk.shape[1]
+    mask = torch.cat([ok, ok.new_zeros(T, nb * c - n)], dim=1)  # [T, nb * c]; the tail's c-th token never counts
+    step = max(1, GATHER_BUDGET // max(1, nb * c * D))
     heads = []
     for h in range(Hkv):
-        k_h, v_h = k[:, h].contiguous(), v[:, h].contiguous()  # [T, D]
+        k_h = k.new_zeros(rows * c, D).index_copy(0, slot, k[:, h]).view(rows, c * D)
+        v_h = v.new_zeros(rows * c, D).index_copy(0, slot, v[:, h]).view(rows, c * D)
         q_chunks = q[:, h * G : (h + 1) * G].contiguous().split(step)  # [Tq, G, D] each
         outs = []
         for i, t0 in enumerate(range(0, T, step)):
             t1 = min(T, t0 + step)
-            idx = sel[t0:t1].flatten()
-            ks = k_h.index_select(0, idx).view(t1 - t0, n, D)
-            vs = v_h.index_select(0, idx).view(t1 - t0, n, D)
-            w = _Scores.apply(q_chunks[i], ks) * scale  # [Tq, G, n]
-            w = w.masked_fill(~ok[t0:t1, None, :], float("-inf"))
+            idx = blk[t0:t1].flatten()
+            ks = k_h.index_select(0, idx).view(t1 - t0, nb * c, D)
+            vs = v_h.index_select(0, idx).view(t1 - t0, nb * c, D)
+            w = _Scores.apply(q_chunks[i], ks) * scale  # [Tq, G, nb * c]
+            w = w.masked_fill(~mask[t0:t1, None, :], float("-inf"))
             w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.bmm(w, vs))  # [Tq, G, D]
+            outs.append(_Mix.apply(w, vs))  # [Tq, G, D]
         heads.append(torch.cat(outs))
     return torch.cat(heads, dim=1)
