@@ -7,42 +7,14 @@ import pytest
 from flashnext.config import INDEXED, LINEAR, TextConfig, load_config, parse_config
 from flashnext.errors import ConfigError
 
-BASE = dict(
-    vocab_size=64,
-    hidden_size=16,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    linear_num_key_heads=1,
-    linear_num_value_heads=2,
-    linear_key_head_dim=4,
-    linear_value_head_dim=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=8,
-    shared_expert_intermediate_size=8,
-    hc_count=2,
-    hc_lowrank=4,
-    ple_layer_ids=[2],
-    ple_embed_dim=8,
-    ngram_size=3,
-    heads_per_ngram=2,
-    indexer_n_heads=2,
-    indexer_kv_heads=1,
-    indexer_head_dim=8,
-    indexer_budget=8,
-    indexer_compress_ratio=4,
-    eos_token_id=3,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-)
+
+@pytest.fixture
+def make(small_config):
+    """`make(**overrides) -> TextConfig` from the shared small config."""
+    return lambda **over: TextConfig.from_dict({**small_config, **over})
 
 
-def make(**over):
-    return TextConfig.from_dict({**BASE, **over})
-
-
-def test_defaults_and_full_attention_spelling():
+def test_defaults_and_full_attention_spelling(make):
     cfg = make()
     assert cfg.layer_types == [LINEAR, LINEAR, LINEAR, INDEXED]
     assert cfg.rotary_dim == 4 and cfg.eos_id == 3
@@ -52,14 +24,14 @@ def test_defaults_and_full_attention_spelling():
     assert interval.layer_types == [LINEAR, INDEXED, LINEAR, INDEXED]
 
 
-def test_composite_and_text_only(tmp_path):
-    comp = {"model_type": "qwen4_exp", "text_config": BASE, "vision_config": {"depth": 1}, "image_token_id": 9}
+def test_composite_and_text_only(tmp_path, make, small_config):
+    comp = {"model_type": "qwen4_exp", "text_config": small_config, "vision_config": {"depth": 1}, "image_token_id": 9}
     mc = parse_config(comp)
     assert mc.composite and not mc.language_model_only and mc.text.hidden_size == 16
     assert mc.to_dict()["image_token_id"] == 9
     (tmp_path / "config.json").write_text(json.dumps({**comp, "language_model_only": True}))
     assert load_config(tmp_path).language_model_only
-    assert not parse_config({**BASE, "model_type": "qwen4_exp_text"}).composite
+    assert not parse_config({**small_config, "model_type": "qwen4_exp_text"}).composite
     # Round trip keeps the fields.
     assert TextConfig.from_dict(make().to_dict()) == make()
 
@@ -85,7 +57,7 @@ def test_composite_and_text_only(tmp_path):
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
-def test_invalid_configs_name_field_and_value(over, names):
+def test_invalid_configs_name_field_and_value(make, over, names):
     with pytest.raises(ConfigError) as err:
         make(**over)
     for n in names:
@@ -93,7 +65,7 @@ def test_invalid_configs_name_field_and_value(over, names):
     assert isinstance(err.value, ValueError)
 
 
-def test_ple_off_needs_no_eos_and_qsa_off_needs_no_indexed_layers():
+def test_ple_off_needs_no_eos_and_qsa_off_needs_no_indexed_layers(make):
     cfg = make(ple_layer_ids=[], eos_token_id=None)
     assert cfg.ple_layer_ids == []
     no_qsa = {
