@@ -94,6 +94,25 @@ def make_segments(
     )
 
 
+def next_token_targets(labels: torch.Tensor, seg: Segments, ignore_index: int = -100) -> torch.Tensor:
+    """Shift labels so token t predicts `labels[t + 1]`, never across a sequence boundary.
+
+    Args:
+        labels: int64 [T] labels of a flat stream (`ignore_index` marks tokens without loss).
+        seg: the stream's `Segments`.
+        ignore_index: value of positions without a target.
+
+    Returns:
+        int64 [T]: `labels[t + 1]` when t + 1 is in t's sequence, else `ignore_index` (each sequence's last token).
+    """
+    T = labels.shape[0]
+    nxt = torch.full_like(labels, ignore_index)
+    if T > 1:
+        same_seq = seg.seq_idx[1:] == seg.seq_idx[:-1]
+        nxt[:-1] = torch.where(same_seq, labels[1:], ignore_index)
+    return nxt
+
+
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None):
     """Turn a padded `[B, S]` batch into a flat stream.
 

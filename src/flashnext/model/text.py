@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.batch import Segments, make_segments, pad_back, unpad
+from flashnext.batch import Segments, make_segments, next_token_targets, pad_back, unpad
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.deltanet import GatedDeltaNet
@@ -165,9 +165,5 @@ class FlashNextForCausalLM(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Next-token CE within each sequence, in fp32, averaged over label tokens. logits [T, V], labels [T]."""
-    T = labels.shape[0]
-    nxt = torch.full_like(labels, -100)
-    if T > 1:
-        same_seq = seg.seq_idx[1:] == seg.seq_idx[:-1]
-        nxt[:-1] = torch.where(same_seq, labels[1:], -100)
+    nxt = next_token_targets(labels, seg)
     return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()

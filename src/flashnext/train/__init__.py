@@ -1,0 +1,1 @@
+"""Training: losses (`loss.py`); the trainer's other parts live beside them."""
