@@ -1,0 +1,261 @@
+"""Optimizers for training: Muon for hidden matrices (per expert for stacked experts), AdamW for the rest.
+
+Parameter groups (by name and shape, see `classify`):
+- `muon`: every 2-D weight inside the decoder (attention, GDN and shared-expert projections, router, PLE
+  projections, hyper-connection mixers) -> `torch.optim.Muon`.
+- `muon_experts`: the stacked expert weights `mlp.experts.gate_up_proj [E, 2I, D]` / `down_proj [E, D, I]` ->
+  `ExpertMuon`, which orthogonalises each expert's `[m, n]` slice on its own (one expert's update never depends
+  on another expert's gradient, as if each expert were its own `nn.Linear`).
+- `adamw_decay`: `embed_tokens`, every n-gram table, `lm_head` and the depthwise conv kernels `[C, 1, K]`.
+- `adamw_no_decay`: norms, biases, `A_log`, `dt_bias` and every other 1-D parameter.
+- `frozen`: the QSA indexer (`...self_attn.indexer.*`). It only chooses which blocks a query attends to; that
+  choice is a discrete top-k, so no gradient reaches it. It is set to `requires_grad_(False)` and put in no
+  optimizer (weight decay would otherwise shrink it although the loss never moves it).
+
+Weight decay follows common practice: decoupled decay (`p *= 1 - lr * weight_decay` per step, in both Muon and
+AdamW) on matrices and tables (ndim >= 2, embeddings and `lm_head` included), none on 1-D parameters, whose scale
+(norm gains, decay rates) is meaningful in itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from torch.optim._muon import muon as muon_functional  # torch's Muon update, applied to expert slices
+
+from flashnext.errors import ConfigError
+
+FROZEN, MUON, MUON_EXPERTS = "frozen", "muon", "muon_experts"
+ADAMW_DECAY, ADAMW_NO_DECAY = "adamw_decay", "adamw_no_decay"
+_ADAMW_MATRICES = ("embed_tokens.", "lm_head.", "ngram_embedding.")
+
+
+class OptimConfig(BaseModel):
+    """Optimizer, clipping and learning-rate schedule of a training run."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(3e-4, ge=0)
+    """Peak learning rate of the AdamW groups (embeddings, n-gram tables, lm_head, norms, 1-D parameters)."""
+    muon_lr: float = Field(0.02, ge=0)
+    """Peak learning rate of the Muon groups (hidden matrices and per-expert slices)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay on matrices and tables (ndim >= 2); 1-D parameters get none."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon momentum (Nesterov)."""
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    """Muon's per-shape lr scaling: `original` sqrt(max(1, rows/cols)), or `match_rms_adamw` 0.2 sqrt(max dim)."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm (over all trainable parameters) to this; 0 disables clipping."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from lr/warmup_steps to the peak."""
+    total_steps: int = Field(1000, ge=1)
+    """Total optimizer steps; the schedule reaches `min_lr_ratio * lr` here and stays there."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup: cosine or linear down to `min_lr_ratio`, or constant at the peak."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+
+    @model_validator(mode="after")
+    def _check_steps(self) -> OptimConfig:
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}")
+        for i, b in enumerate(self.betas):
+            if not 0 <= b < 1:
+                raise ValueError(f"betas[{i}]={b} must be in [0, 1)")
+        return self
+
+
+class ExpertMuon(torch.optim.Optimizer):
+    """Muon for stacked expert weights `[E, m, n]`: each expert's `[m, n]` slice is its own Muon matrix.
+
+    The momentum buffer is elementwise, and the Newton–Schulz orthogonalisation, lr shape adjustment and decay
+    are torch's own Muon update (`torch.optim._muon.muon`) applied to the E slice views, so slice e's update
+    equals that of `torch.optim.Muon` on a 2-D parameter holding expert e alone.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 3:
+                    raise ConfigError(f"ExpertMuon takes stacked [E, m, n] weights, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every expert slice that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                params.extend(p.unbind(0))  # views: in-place updates land in p
+                grads.extend(p.grad.unbind(0))
+                bufs.extend(state["momentum_buffer"].unbind(0))
+            if not params:
+                continue
+            muon_functional(
+                params,
+                grads,
+                bufs,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_coefficients=group["ns_coefficients"],
+                eps=group["eps"],
+                ns_steps=group["ns_steps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                has_complex=False,
+            )
+        return loss
+
+
+def classify(name: str, p: torch.Tensor) -> str:
+    """Group of one parameter by its state-dict name and shape (see the module docstring)."""
+    if ".self_attn.indexer." in name:
+        return FROZEN
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return MUON_EXPERTS
+    if name.startswith(_ADAMW_MATRICES) or any(f".{key}" in name for key in _ADAMW_MATRICES):
+        return ADAMW_DECAY
+    if p.ndim <= 1:
+        return ADAMW_NO_DECAY
+    if p.ndim == 3 and p.shape[1] == 1:  # depthwise conv kernel [C, 1, K]: per-channel filters, not a matrix
+        return ADAMW_DECAY
+    if p.ndim == 2 and name.startswith("model.layers."):
+        return MUON
+    if p.ndim == 2 and name.startswith("model.hyper_connection_mixer."):
+        return MUON
+    raise ConfigError(f"no optimizer group for parameter {name!r} of shape {tuple(p.shape)}")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch.optim.Optimizer], dict[str, str]]:
+    """Freeze the QSA indexer and build one optimizer per kind of parameter.
+
+    Returns:
+        optimizers: `{"muon": Muon, "muon_experts": ExpertMuon, "adamw": AdamW}` (an entry is left out when it
+            would hold no parameter); the AdamW optimizer has param groups `adamw_decay` and `adamw_no_decay`
+            (`group["name"]`).
+        report: `{param_name: group}` for every parameter, `frozen` for the indexer.
+    """
+    report: dict[str, str] = {}
+    members: dict[str, list[torch.Tensor]] = {MUON: [], MUON_EXPERTS: [], ADAMW_DECAY: [], ADAMW_NO_DECAY: []}
+    for name, p in model.named_parameters():
+        group = classify(name, p)
+        report[name] = group
+        if group == FROZEN:
+            p.requires_grad_(False)
+        elif p.requires_grad:
+            members[group].append(p)
+    muon_kwargs = dict(
+        lr=cfg.muon_lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        adjust_lr_fn=cfg.muon_adjust_lr_fn,
+    )
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if members[MUON]:
+        optimizers[MUON] = torch.optim.Muon(members[MUON], **muon_kwargs)
+    if members[MUON_EXPERTS]:
+        optimizers[MUON_EXPERTS] = ExpertMuon(members[MUON_EXPERTS], **muon_kwargs)
+    adamw_groups = [
+        {"params": members[ADAMW_DECAY], "weight_decay": cfg.weight_decay, "name": ADAMW_DECAY},
+        {"params": members[ADAMW_NO_DECAY], "weight_decay": 0.0, "name": ADAMW_NO_DECAY},
+    ]
+    adamw_groups = [g for g in adamw_groups if g["params"]]
+    if adamw_groups:
+        optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return optimizers, report
+
+
+def lr_lambda(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of the peak lr after `step` optimizer steps: linear warmup, then cosine/linear/constant.
+
+    Warmup gives `(step + 1) / warmup_steps` (the first update is not wasted at lr 0); the decay runs from the
+    peak at `warmup_steps` to `min_lr_ratio` at `total_steps` and stays there.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+class Schedulers:
+    """One `LambdaLR` per optimizer, stepped together; state dicts keyed like the optimizers."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], cfg: OptimConfig):
+        self.schedulers = {
+            name: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_lambda(step, cfg))
+            for name, opt in optimizers.items()
+        }
+
+    def step(self) -> None:
+        for s in self.schedulers.values():
+            s.step()
+
+    def last_lrs(self) -> dict[str, float]:
+        """Current lr of every optimizer's first param group (Muon and AdamW peaks differ)."""
+        return {name: s.get_last_lr()[0] for name, s in self.schedulers.items()}
+
+    def state_dict(self) -> dict[str, dict]:
+        return {name: s.state_dict() for name, s in self.schedulers.items()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        for name, s in self.schedulers.items():
+            s.load_state_dict(state[name])
+
+
+def trainable_params(optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every parameter held by the optimizers, in a fixed order."""
+    return [p for opt in optimizers.values() for g in opt.param_groups for p in g["params"]]
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm of `params` (all optimizers together) in place; returns the norm before.
+
+    `max_norm <= 0` only measures the norm.
+    """
+    limit = max_norm if max_norm > 0 else float("inf")
+    return torch.nn.utils.clip_grad_norm_(list(params), limit)
