@@ -161,3 +161,55 @@ def pad_back(flat: torch.Tensor, keep: torch.Tensor | None, shape: tuple[int, in
     out = flat.new_zeros(*keep.shape, *flat.shape[1:])
     out[keep] = flat
     return out
+
+
+@dataclass
+class PackedBatch:
+    """One training micro-batch: sequences packed into a flat token stream.
+
+    Attributes:
+        input_ids: int64 [T].
+        labels: int64 [T]; the token itself where it carries loss, -100 elsewhere (the loss shifts them).
+        cu_seqlens: int32 [N+1], 0 first, last == T.
+        position_ids: int64 [T], restarting at 0 at each sequence start.
+        max_seqlen: longest sequence (host int).
+        advantages: optional float [T] (RL).
+        inference_logprobs: optional float [T] (RL).
+        routed_experts: optional int64 [T, n_moe_layers, top_k] (router replay).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor
+    position_ids: torch.Tensor
+    max_seqlen: int
+    advantages: torch.Tensor | None = None
+    inference_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Host list of the N sequence lengths."""
+        cu = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+    @classmethod
+    def from_sequences(cls, input_ids: list[list[int]], labels: list[list[int]]) -> PackedBatch:
+        """Concatenate N sequences (host lists of ids and labels, pairwise equal lengths) into one stream."""
+        lengths = [len(ids) for ids in input_ids]
+        if [len(lab) for lab in labels] != lengths:
+            raise InputError(f"labels lengths {[len(lab) for lab in labels]} != input_ids lengths {lengths}")
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cls(
+            input_ids=torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int64),
+            labels=torch.tensor([t for lab in labels for t in lab], dtype=torch.int64),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            position_ids=torch.tensor([p for n in lengths for p in range(n)], dtype=torch.int64),
+            max_seqlen=max(lengths, default=0),
+        )

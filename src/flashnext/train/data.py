@@ -1,0 +1,170 @@
+"""SFT datasets from JSONL: one `Example` (token ids + labels) per line.
+
+Each non-blank line is one JSON object of one of three kinds, detected from its keys:
+
+- `{"prompt": str, "completion": str}`: `encode(prompt) + encode(completion)` (+ the tokenizer's
+  `eos_token_id`, if it has one and `add_eos`); loss on the completion (and EOS) only. The two texts are encoded
+  separately so the boundary is exact; a tokenizer that adds special tokens in `encode` adds them to both.
+- `{"messages": [{"role": str, "content": str}, ...]}`: rendered with `tokenizer.apply_chat_template`; loss only on
+  assistant turns. A turn's tokens are found by rendering prefixes: assistant message i spans
+  `[len(render(messages[:i], add_generation_prompt=True)), len(render(messages[:i + 1])))` of the full rendering,
+  so the role header is prompt and the turn's end marker is trained. Each prefix rendering must be a prefix of the
+  full one; templates that rewrite earlier turns (e.g. dropping past reasoning) are rejected with an error.
+- `{"input_ids": [int, ...], "labels": [int, ...]}`: pre-tokenized; `labels` (same length, -100 = no loss) is
+  optional and defaults to every token.
+
+Labels are not shifted: `labels[t]` is token t where it carries loss, -100 elsewhere; the loss
+(`batch.next_token_targets`) makes token t predict `labels[t + 1]`.
+Malformed lines raise `InputError` naming the file, the line number and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from flashnext.errors import InputError
+
+IGNORE = -100
+KINDS = ('{"prompt", "completion"}', '{"messages"}', '{"input_ids"[, "labels"]}')
+
+
+class Tokenizer(Protocol):
+    """What the loader needs of a tokenizer (Hugging Face tokenizers qualify)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training sequence.
+
+    Attributes:
+        input_ids: token ids [n].
+        labels: [n], the token id where it carries loss, -100 on prompt tokens.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def load_jsonl(path: str | Path, tokenizer: Any = None, add_eos: bool = True) -> list[Example]:
+    """Read a JSONL dataset (see the module docstring for the three line kinds).
+
+    Args:
+        path: the `.jsonl` file; blank lines are skipped.
+        tokenizer: object with `encode(text) -> list[int]` (prompt/completion) and
+            `apply_chat_template(messages, tokenize=True, ...)` (messages); not needed for pre-tokenized lines.
+        add_eos: append `tokenizer.eos_token_id` (when not None) to completions.
+
+    Raises:
+        InputError: `"<path>:<line>: <problem>"` for the first malformed line.
+    """
+    path = Path(path)
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(parse_record(_loads(line), tokenizer, add_eos))
+            except InputError as e:
+                raise InputError(f"{path}:{lineno}: {e}") from None
+    return out
+
+
+def _loads(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def parse_record(record: Any, tokenizer: Any = None, add_eos: bool = True) -> Example:
+    """Turn one decoded JSON line into an `Example` (raises `InputError` without the file position)."""
+    if not isinstance(record, Mapping):
+        raise InputError(f"expected a JSON object, got {type(record).__name__}")
+    keys = set(record)
+    if "input_ids" in keys:
+        ex = _pretokenized(record)
+    elif "messages" in keys:
+        ex = _messages(record["messages"], tokenizer)
+    elif {"prompt", "completion"} <= keys:
+        ex = _prompt_completion(record, tokenizer, add_eos)
+    else:
+        raise InputError(f"unknown record with keys {sorted(keys)}; expected one of {', '.join(KINDS)}")
+    if not ex.input_ids:
+        raise InputError("record has no tokens")
+    return ex
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InputError(f"{name!r} must be a list of integers, got {str(value)[:80]}")
+    return value
+
+
+def _pretokenized(record: Mapping) -> Example:
+    ids = _int_list(record["input_ids"], "input_ids")
+    if any(t < 0 for t in ids):
+        raise InputError(f"'input_ids' has a negative id {min(ids)}")
+    if record.get("labels") is None:
+        return Example(list(ids), list(ids))
+    labels = _int_list(record["labels"], "labels")
+    if len(labels) != len(ids):
+        raise InputError(f"'labels' has {len(labels)} entries, 'input_ids' has {len(ids)}")
+    return Example(list(ids), list(labels))
+
+
+def _need(tokenizer: Any, method: str, kind: str) -> None:
+    if tokenizer is None or not callable(getattr(tokenizer, method, None)):
+        raise InputError(f"{kind} records need a tokenizer with `{method}`")
+
+
+def _prompt_completion(record: Mapping, tokenizer: Any, add_eos: bool) -> Example:
+    for key in ("prompt", "completion"):
+        if not isinstance(record[key], str):
+            raise InputError(f"{key!r} must be a string, got {type(record[key]).__name__}")
+    _need(tokenizer, "encode", '"prompt"/"completion"')
+    prompt = list(tokenizer.encode(record["prompt"]))
+    completion = list(tokenizer.encode(record["completion"]))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if add_eos and isinstance(eos, int):
+        completion.append(eos)
+    return Example(prompt + completion, [IGNORE] * len(prompt) + completion)
+
+
+def _render(tokenizer: Any, messages: list, add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(out, Mapping):  # transformers may return a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def _messages(messages: Any, tokenizer: Any) -> Example:
+    if not isinstance(messages, list) or not messages:
+        raise InputError("'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f"messages[{i}] must be an object with string 'role' and 'content', got {str(m)[:80]}")
+    _need(tokenizer, "apply_chat_template", '"messages"')
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    labels = [IGNORE] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+        end = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if full[: len(end)] != end or end[: len(start)] != start:
+            raise InputError(
+                f"chat template is not prefix-stable at messages[{i}]: rendering the conversation up to this turn "
+                "is not a prefix of the full rendering"
+            )
+        labels[len(start) : len(end)] = full[len(start) : len(end)]
+    return Example(full, labels)
