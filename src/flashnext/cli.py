@@ -4,7 +4,9 @@ Subcommands:
     demo (the default): build the embedded tiny model, save it in the official layout, reload it, run a packed
         and a padded forward, print shapes and timings, and check the reloaded model computes the same logits.
 
-Later subcommands (train, serve, generate, flops, convert) join `_COMMANDS`.
+    flops: forward FLOPs of one packed batch per component (analytic; `--measure` adds torch's count on meta).
+
+Later subcommands (train, serve, generate, convert) join `_COMMANDS`.
 """
 
 from __future__ import annotations
@@ -205,8 +207,37 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     add("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
 
 
+def _add_flops_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", help="config.json or a checkpoint dir (default: the tiny model)")
+    p.add_argument(
+        "--seq-lens",
+        default="4096,512,1",
+        help="comma-separated lengths of the packed sequences (default 4096,512,1)",
+    )
+    p.add_argument("--measure", action="store_true", help="also count with FlopCounterMode on the meta device")
+
+
+def run_flops(args: argparse.Namespace) -> None:
+    from flashnext.flops import count_flops, measure_flops_on_meta
+
+    cfg = load_config(args.config).text if args.config else tiny_config()
+    try:
+        lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+    except ValueError:
+        raise FlashNextError(f"--seq-lens must be comma-separated ints, got {args.seq_lens!r}") from None
+    if not lens or min(lens) < 0:
+        raise FlashNextError(f"--seq-lens needs non-negative lengths, got {args.seq_lens!r}")
+    analytic = count_flops(cfg, lens)
+    measured = measure_flops_on_meta(cfg, lens) if args.measure else {}
+    print(f"forward FLOPs of a packed batch of {len(lens)} sequences, {sum(lens)} tokens: {lens}")
+    for name, value in analytic.items():
+        extra = f"   meta={measured[name] / 1e9:12.4f} G" if name in measured else ""
+        print(f"  {name:14s} {value / 1e9:12.4f} G{extra}")
+
+
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
     "demo": ("build, save, reload and run the embedded tiny model", _add_demo_args, run_demo),
+    "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
 }
 
 
