@@ -23,6 +23,8 @@ class Segments:
         seq_idx: int64 [T], sequence index of every token.
         seq_start: int64 [T], flat index of the first token of every token's sequence.
         lengths: host list of the N sequence lengths.
+        cu_host: host list copy of `cu_seqlens` (read once; no device sync afterwards).
+        pos_in_seq: int64 [T], offset of each token from its sequence start (independent of `position_ids`).
     """
 
     cu_seqlens: torch.Tensor
@@ -31,23 +33,12 @@ class Segments:
     seq_idx: torch.Tensor
     seq_start: torch.Tensor
     lengths: list[int]
+    cu_host: list[int]
+    pos_in_seq: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
         return self.seq_idx.shape[0]
-
-    @property
-    def cu_host(self) -> list[int]:
-        """Host copy of `cu_seqlens` (no device sync)."""
-        out = [0]
-        for n in self.lengths:
-            out.append(out[-1] + n)
-        return out
-
-    @property
-    def pos_in_seq(self) -> torch.Tensor:
-        """int64 [T]: offset of each token from its sequence start (independent of `position_ids`)."""
-        return torch.arange(self.num_tokens, device=self.seq_start.device) - self.seq_start
 
 
 def make_segments(
@@ -80,8 +71,9 @@ def make_segments(
     seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lens_t, output_size=num_tokens)
     seq_start = torch.tensor(cu_host[:-1], dtype=torch.long)[seq_idx]
     seq_idx, seq_start = seq_idx.to(device), seq_start.to(device)
+    pos_in_seq = torch.arange(num_tokens, device=device) - seq_start
     if position_ids is None:
-        position_ids = torch.arange(num_tokens, device=device) - seq_start
+        position_ids = pos_in_seq
     elif position_ids.shape[-1] != num_tokens or position_ids.dim() not in (1, 2):
         raise InputError(f"position_ids must be [T] or [3, T] with T={num_tokens}, got {tuple(position_ids.shape)}")
     return Segments(
@@ -91,6 +83,8 @@ def make_segments(
         seq_idx=seq_idx,
         seq_start=seq_start,
         lengths=lengths,
+        cu_host=cu_host,
+        pos_in_seq=pos_in_seq,
     )
 
 
