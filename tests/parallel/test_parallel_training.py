@@ -1,0 +1,214 @@
+"""parallelize + FSDP2 + owner-routed tables, DCP checkpoints and streamed export, against the unsharded run.
+
+One spawned gloo group per world size runs the whole scenario of `parallel_cases.run_rank` (spawning costs seconds,
+the checks milliseconds); the tests read its results. World size 2 is in the fast suite; the spawned world of 1
+and world size 4 are `slow` (the single-process, no-process-group path is covered in-process here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import parallel_cases as pc
+import pytest
+import torch
+from dist_helpers import run_spawned
+
+import flashnext
+from flashnext.errors import CheckpointError
+from flashnext.model.text import FlashNextForCausalLM
+from flashnext.parallel import (
+    ParallelConfig,
+    clip_grad_norm_distributed,
+    init_distributed,
+    load_state,
+    parallelize,
+    row_ranges,
+    save_state,
+)
+
+_RESULTS: dict[int, list[dict]] = {}
+TABLE = "model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("parallel")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CI box's cores are shared; one thread is faster for this tiny model
+    try:
+        return pc.reference_run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def results(world: int, root: Path) -> list[dict]:
+    if world not in _RESULTS:
+        restore_from = None
+        if world != 2:
+            results(2, root)
+            restore_from = str(root / "ckpt_ws2")
+        _RESULTS[world] = run_spawned(pc.run_rank, world, str(root), restore_from, timeout_s=300)
+    return _RESULTS[world]
+
+
+WORLDS = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+def _max_err(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _bitwise(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_meta_init_equals_unsharded_init_weights(world, root, reference):
+    r = results(world, root)[0]
+    assert _bitwise(r["init"], reference["init"]) == []
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_three_adamw_steps_equal_unsharded_run(world, root, reference):
+    """2 micro-batches, AC on, clipping active (norm > MAX_NORM): losses, norms and parameters match."""
+    for res in results(world, root):
+        for (loss, norm), (ref_loss, ref_norm) in zip(res["log"], reference["log"], strict=True):
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+            assert ref_norm > pc.MAX_NORM  # the clip coefficient matters
+    r = results(world, root)[0]
+    assert _max_err(r["mid"], reference["mid"]) <= 1e-5
+    assert _max_err(r["final"], reference["final"]) <= 1e-5
+    assert _max_err(r["final"], reference["init"]) > 1e-3  # the steps did move the parameters
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tables_hold_local_rows_only(world, root):
+    res = results(world, root)
+    rows = res[0]["final"][TABLE].shape[0]
+    assert [r["table_ranges"] for r in res] == [[(a, b, b - a)] for a, b in row_ranges(rows, world)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dcp_restore_is_exact(world, root):
+    """A fresh model (other init) restored from the step-2 checkpoint continues exactly like the uninterrupted run."""
+    for res in results(world, root):
+        assert res["extra"] == {"step": pc.SAVE_AFTER, "note": "hello"}
+        assert res["resumed_log"] == res["log"][pc.SAVE_AFTER :]
+    r = results(world, root)[0]
+    assert _bitwise(r["restored_mid"], r["mid"]) == []
+    assert _bitwise(r["resumed_final"], r["final"]) == []
+    assert not (root / f"ckpt_ws{world}.tmp").exists()
+
+
+def test_dcp_restore_from_world_2_onto_single_process(root, reference):
+    """No process group: the ws-2 checkpoint (tables as row shards) restores into a plain model and trains on."""
+    saved = results(2, root)[0]
+    with torch.device("meta"):
+        model = FlashNextForCausalLM(pc.small_model_config())
+    model = parallelize(model, None, ParallelConfig(ac=True, seed=None))
+    opt = pc.new_optimizer(model)
+    extra = load_state(root / "ckpt_ws2", model, {"adamw": opt})
+    assert extra["step"] == pc.SAVE_AFTER
+    assert _bitwise(pc.full_params(model), saved["mid"]) == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        log = pc.train_steps(model, opt, range(pc.SAVE_AFTER, pc.STEPS))
+    finally:
+        torch.set_num_threads(threads)
+    (loss, norm), (ref_loss, ref_norm) = log[0], reference["log"][pc.SAVE_AFTER]
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-5 * ref_norm
+    assert _max_err(pc.full_params(model), reference["final"]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 4])
+def test_dcp_restore_from_world_2_onto_other_world_size(world, root):
+    r2 = results(2, root)[0]
+    for rank, res in enumerate(results(world, root)):
+        assert res["other_log"] == pytest.approx(r2["log"][pc.SAVE_AFTER :], rel=1e-5)
+        if rank == 0:
+            assert _bitwise(res["other_mid"], r2["mid"]) == []
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_streamed_export_loads_and_equals(world, root):
+    out = root / f"export_ws{world}"
+    loaded = flashnext.from_pretrained(out)
+    r = results(world, root)[0]
+    got = {n: p.detach() for n, p in loaded.named_parameters()}
+    assert _bitwise(got, r["final"]) == []
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard_files = {k: f for k, f in weight_map.items() if ".ngram_embedding.shard_" in k}
+    parts = pc.small_model_config().split_ngram_parts
+    assert len(shard_files) == parts and len(set(shard_files.values())) == parts  # a file per shard
+    rows = r["final"][TABLE].shape[0]
+    ranges = row_ranges(rows, world)
+    for j, (a, _) in enumerate(_chunk_rows(rows, parts)):
+        owner = next(q for q, (s, e) in enumerate(ranges) if s <= a < e)
+        fname = shard_files[f"{TABLE.removesuffix('.weight')}.shard_{j}.weight"]
+        writers = [q for q, res in enumerate(results(world, root)) if fname in res["files"]]
+        assert writers == [owner], (j, writers, owner)
+
+
+def _chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-rows // parts)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def test_single_process_meta_parallelize_equals_init_weights(reference):
+    with torch.device("meta"):
+        model = FlashNextForCausalLM(pc.small_model_config())
+    model = parallelize(model, None, ParallelConfig(ac=False, seed=pc.SEED))
+    assert _bitwise(pc.full_params(model), reference["init"]) == []
+
+
+def test_init_distributed_without_launcher_is_single_process(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    ctx = init_distributed(device="cpu")
+    assert (ctx.rank, ctx.world_size, ctx.mesh, ctx.is_main, ctx.distributed) == (0, 1, None, True, False)
+
+
+def test_clip_grad_norm_distributed_plain_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm_distributed(a, 0.3)
+    ref = torch.nn.utils.clip_grad_norm_(b, 0.3)
+    assert torch.allclose(ours, ref, rtol=1e-6)
+    for p, q in zip(a, b, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_load_state_rejects_missing_and_mismatched(root, tmp_path):
+    model = FlashNextForCausalLM(pc.small_model_config())
+    opt = pc.new_optimizer(model)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_state(tmp_path / "nothing", model, {"adamw": opt})
+    results(2, root)
+    with pytest.raises(CheckpointError, match="'sgd'"):
+        load_state(root / "ckpt_ws2", model, {"sgd": torch.optim.SGD(model.parameters(), lr=0.1)})
+
+
+def test_save_state_single_process_replaces_atomically(tmp_path):
+    model = FlashNextForCausalLM(pc.small_model_config())
+    opt = pc.new_optimizer(model)
+    target = tmp_path / "ckpt"
+    save_state(target, model, {"adamw": opt}, extra={"v": 1})
+    save_state(target, model, {"adamw": opt}, extra={"v": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert load_state(target, model, {"adamw": opt}) == {"v": 2}
