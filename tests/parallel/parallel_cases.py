@@ -137,6 +137,11 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
     root = Path(root)
     model = meta_parallel_model(SEED, ctx.mesh)
     init = full_params(model)
+    materialised = FlashNextForCausalLM(small_model_config())  # e.g. from_pretrained on every rank
+    materialised.init_weights(SEED)
+    materialised = parallelize(materialised, ctx.mesh, ParallelConfig(ac=True))
+    materialised_init = full_params(materialised)
+    del materialised
     opt = new_optimizer(model)
     log = train_steps(model, opt, range(SAVE_AFTER), rank, world)
     mid = full_params(model)
@@ -164,5 +169,12 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
         out["other_mid"] = full_params(other)
         out["other_log"] = train_steps(other, other_opt, range(SAVE_AFTER, STEPS), rank, world)
     if rank == 0:
-        out.update(init=init, mid=mid, final=final, restored_mid=restored_mid, resumed_final=resumed_final)
+        out.update(
+            init=init,
+            materialised_init=materialised_init,
+            mid=mid,
+            final=final,
+            restored_mid=restored_mid,
+            resumed_final=resumed_final,
+        )
     return out
