@@ -33,7 +33,9 @@ from flashnext.parallel import (
     parallelize,
     save_state,
 )
+from flashnext.parallel.optim import shard_aware_optimizers
 from flashnext.train.loss import count_label_tokens, sft_loss
+from flashnext.train.optim import OptimConfig, build_optimizer
 
 STEPS, MICRO, SEQS, SAVE_AFTER = 3, 2, 4, 2
 LR, MAX_NORM, SEED = 1e-3, 0.5, 0
@@ -112,6 +114,15 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
+def reference_muon_step() -> tuple[dict, dict]:
+    model = FlashNextForCausalLM(small_model_config())
+    model.init_weights(SEED)
+    model = parallelize(model, None, ParallelConfig(ac=True))
+    delta, report, _ = muon_step(model)
+    return delta, report
+
+
+@functools.cache
 def reference_run() -> dict:
     """Unsharded single-process run (no process group): init, the params after SAVE_AFTER and after STEPS steps."""
     model = FlashNextForCausalLM(small_model_config())
@@ -123,6 +134,40 @@ def reference_run() -> dict:
     mid = full_params(model)
     log += train_steps(model, opt, range(SAVE_AFTER, STEPS))
     return {"init": init, "mid": mid, "final": full_params(model), "log": log}
+
+
+def muon_step(model, rank: int = 0, world: int = 1) -> tuple[dict, dict, dict]:
+    """One step of `build_optimizer`'s Muon / ExpertMuon / AdamW (made shard-aware): (param deltas, report, opts)."""
+    optimizers, report = build_optimizer(model, OptimConfig(lr=1e-3, muon_lr=0.02, max_grad_norm=0))
+    shard_aware_optimizers(optimizers)
+    before = full_params(model)
+    count = step_label_count(0)
+    for m in range(MICRO):
+        ids, labels, cu = pack(micro_batch(0, m)[rank::world])
+        sft_loss(model(ids, cu_seqlens=cu).logits, labels, cu, count).backward()
+    for opt in optimizers.values():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after = full_params(model)
+    return {k: after[k] - before[k] for k in after}, report, optimizers
+
+
+def full_optim_state(model, optimizers) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as a full tensor, keyed `<optimizer>.<param>.<state>` (collective)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, OwnerRoutedEmbedding)}
+    out = {}
+    for opt_name, opt in optimizers.items():
+        for p, st in opt.state.items():
+            for key, v in st.items():
+                if isinstance(v, DTensor):
+                    v = v.full_tensor()
+                elif id(p) in tables and v.shape == p.shape:
+                    parts = [None] * dist.get_world_size()
+                    dist.all_gather_object(parts, v.detach().clone())
+                    v = torch.cat(parts)
+                out[f"{opt_name}.{names[id(p)]}.{key}"] = v.detach().clone()
+    return out
 
 
 def meta_parallel_model(seed: int | None, mesh) -> FlashNextForCausalLM:
@@ -159,6 +204,16 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
     resumed_final = full_params(fresh)
 
     files = export_pretrained(model, root / f"export_ws{world}")
+
+    # build_optimizer's Muon/ExpertMuon/AdamW on FSDP2 shards, then a save/load round trip of their states.
+    muon_model = meta_parallel_model(SEED, ctx.mesh)
+    muon_delta, _, muon_opts = muon_step(muon_model, rank, world)
+    save_state(root / f"muon_ws{world}", muon_model, muon_opts)
+    muon_states = full_optim_state(muon_model, muon_opts)
+    again = meta_parallel_model(None, ctx.mesh)
+    again_opts = shard_aware_optimizers(build_optimizer(again, OptimConfig())[0])
+    load_state(root / f"muon_ws{world}", again, again_opts)
+    muon_restored = (full_params(again), full_optim_state(again, again_opts), full_params(muon_model))
     out = {"log": log, "resumed_log": resumed_log, "extra": extra, "files": [f.name for f in files]}
     tables = [m for m in model.modules() if isinstance(m, OwnerRoutedEmbedding)]
     out["table_ranges"] = [(m.row_start, m.row_end, m.weight.shape[0]) for m in tables]
@@ -169,6 +224,7 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
         out["other_mid"] = full_params(other)
         out["other_log"] = train_steps(other, other_opt, range(SAVE_AFTER, STEPS), rank, world)
     if rank == 0:
+        out.update(muon_delta=muon_delta, muon_states=muon_states, muon_restored=muon_restored)
         out.update(
             init=init,
             materialised_init=materialised_init,

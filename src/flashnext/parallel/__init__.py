@@ -5,7 +5,7 @@ A trainer's use, top to bottom:
     with torch.device("meta"):
         model = FlashNextForCausalLM(cfg)
     model = parallelize(model, ctx.mesh, ParallelConfig(ac=True, compile=False, dedup=True, seed=0))
-    optimizers, _ = build_optimizer(model, optim_cfg)
+    optimizers = shard_aware_optimizers(build_optimizer(model, optim_cfg)[0])  # Muon steps on whole matrices
     ...  # loss: sft_loss(..., num_label_tokens=<label count of the whole step, all ranks>)
     clip_grad_norm_distributed(trainable_params(optimizers), max_norm)
     save_state(dir, model, optimizers, extra)                  # extra = load_state(dir, model, optimizers)
@@ -18,6 +18,7 @@ from flashnext.parallel.dist import DistContext, destroy_distributed, init_distr
 from flashnext.parallel.export import export_pretrained
 from flashnext.parallel.fsdp import ParallelConfig, clip_grad_norm_distributed, local_row_params, parallelize
 from flashnext.parallel.init import init_weights_local
+from flashnext.parallel.optim import gather_step, shard_aware_optimizers
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding, row_ranges, swap_ngram_embeddings
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "clip_grad_norm_distributed",
     "destroy_distributed",
     "export_pretrained",
+    "gather_step",
     "init_distributed",
     "init_weights_local",
     "load_state",
@@ -34,5 +36,6 @@ __all__ = [
     "parallelize",
     "row_ranges",
     "save_state",
+    "shard_aware_optimizers",
     "swap_ngram_embeddings",
 ]

@@ -60,7 +60,7 @@ class ParallelConfig(BaseModel):
 
 def _compile(model: nn.Module) -> nn.Module:
     # Optional hook owned by the trainer side; imported lazily so parallel/ works without it.
-    from flashnext.train.compile import compile_model  # noqa: PLC0415
+    from flashnext.train.compile import compile_model
 
     return compile_model(model) or model
 
