@@ -247,3 +247,19 @@ def test_save_state_single_process_replaces_atomically(tmp_path):
     save_state(target, model, {"adamw": opt}, extra={"v": 2})
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert load_state(target, model, {"adamw": opt}) == {"v": 2}
+
+
+def test_compile_hook_is_called_when_asked(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("flashnext.train.compile")
+    fake.compile_model = lambda model: calls.append(type(model).__name__)
+    monkeypatch.setitem(sys.modules, "flashnext.train.compile", fake)
+    with torch.device("meta"):
+        model = FlashNextForCausalLM(pc.small_model_config())
+    parallelize(model, None, ParallelConfig(ac=False, compile=True, seed=None))
+    assert calls == ["FlashNextForCausalLM"]
+    parallelize(model, None, ParallelConfig(ac=False, compile=False, seed=None))
+    assert calls == ["FlashNextForCausalLM"]

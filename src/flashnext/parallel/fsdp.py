@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from flashnext.errors import ConfigError
 from flashnext.parallel.init import init_weights_local
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding, swap_ngram_embeddings
 from flashnext.train.checkpointing import apply_activation_checkpointing
@@ -60,8 +61,10 @@ class ParallelConfig(BaseModel):
 
 def _compile(model: nn.Module) -> nn.Module:
     # Optional hook owned by the trainer side; imported lazily so parallel/ works without it.
-    from flashnext.train.compile import compile_model
-
+    try:
+        from flashnext.train.compile import compile_model
+    except ImportError as e:
+        raise ConfigError(f"ParallelConfig(compile=True) needs flashnext.train.compile.compile_model: {e}") from e
     return compile_model(model) or model
 
 
