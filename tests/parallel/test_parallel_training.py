@@ -263,3 +263,8 @@ def test_compile_hook_is_called_when_asked(monkeypatch):
     assert calls == ["FlashNextForCausalLM"]
     parallelize(model, None, ParallelConfig(ac=False, compile=False, seed=None))
     assert calls == ["FlashNextForCausalLM"]
+
+
+def test_parallel_config_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        ParallelConfig(activation_checkpointing=True)

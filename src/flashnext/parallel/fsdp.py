@@ -95,13 +95,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: ParallelConfig |
         `build_optimizer`, `save_state` and `export_pretrained` see the plain model's names.
     """
     cfg = cfg or ParallelConfig()
+    if mesh is not None and mesh.ndim != 1:
+        raise ConfigError(f"parallelize takes a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}")
     meta = _on_meta(model)
     device = torch.device(mesh.device_type if mesh is not None else "cpu")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     if mesh is not None:
-        group = mesh.get_group()
-        swap_ngram_embeddings(model, group, dedup=cfg.dedup)
+        swap_ngram_embeddings(model, mesh.get_group(), dedup=cfg.dedup)
+        if not meta:  # FSDP moves what it manages to the mesh's device; the ignored tables move here
+            for m in model.modules():
+                if isinstance(m, OwnerRoutedEmbedding):
+                    m.to(device)
     if cfg.ac:
         apply_activation_checkpointing(model)
     if cfg.compile:
@@ -169,7 +174,10 @@ def clip_grad_norm_distributed(params, max_norm: float, group: dist.ProcessGroup
         g = p.grad
         if isinstance(g, DTensor):
             if any(pl.is_replicate() for pl in g.placements):
-                raise ValueError(f"clip_grad_norm_distributed: replicated DTensor gradient {tuple(g.shape)}")
+                raise ConfigError(
+                    f"clip_grad_norm_distributed: DTensor gradient of shape {tuple(g.shape)} is replicated "
+                    f"({g.placements}); only sharded DTensors (FSDP) are supported"
+                )
             sharded += g.to_local().float().square().sum().cpu()
         elif id(p) in tables:
             sharded += g.float().square().sum().cpu()
