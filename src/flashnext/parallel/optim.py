@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flashnext.train.optim import ExpertMuon
+from flashnext.train.optim import Muon
 
 __all__ = ["gather_step", "shard_aware_optimizers"]
 
-WHOLE_MATRIX = (torch.optim.Muon, ExpertMuon)
+WHOLE_MATRIX = (torch.optim.Muon, Muon)  # Muon covers ExpertMuon (a subclass)
 
 
 def _shard_like(full: torch.Tensor, like: DTensor) -> DTensor:

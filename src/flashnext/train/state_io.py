@@ -73,9 +73,25 @@ def save(root: str | Path, step: int, state: dict[str, Any], meta: dict[str, Any
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync(root)
+    _prune(root, keep_last)
+    return final
+
+
+def commit(root: str | Path, path: str | Path, meta: dict[str, Any], keep_last: int) -> None:
+    """Mark a checkpoint written by another writer (e.g. a sharded DCP save) complete: write its `meta.json`
+    atomically (temp file, fsync, rename), then keep only the newest `keep_last`."""
+    path = Path(path)
+    tmp = path / f".{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    _fsync(tmp)
+    os.rename(tmp, path / META_FILE)
+    _fsync(path)
+    _prune(Path(root), keep_last)
+
+
+def _prune(root: Path, keep_last: int) -> None:
     for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 from flashnext.batch import PackedBatch, make_segments, next_token_targets
 from flashnext.config import TextConfig, load_config, parse_config
 from flashnext.errors import ConfigError, InputError
+from flashnext.parallel.dist import DistContext, destroy_distributed, init_distributed
 from flashnext.train import state_io as ckpt
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, load_jsonl
@@ -37,26 +37,15 @@ from flashnext.train.packing import PackedLoader, flop_cost
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@dataclass
-class DistContext:
-    """Where this process sits in the job (a single process by default)."""
+def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
+    """Sum host numbers over ranks (identity in a single process)."""
+    if not ctx.distributed:
+        return values
+    import torch.distributed as dist
 
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum host numbers over ranks (identity in a single process)."""
-        if self.world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,20 +78,37 @@ def model_text_config(cfg: RunConfig) -> TextConfig:
     return parse_config({**raw, **section.overrides}).text
 
 
-def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """The model of a run: loaded from `model.path`, or built and randomly initialised from `model.seed`."""
+def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = None) -> torch.nn.Module:
+    """The model of a run: loaded from `model.path`, or built and randomly initialised from `model.seed`.
+
+    With a process group the model is handed to `parallelize` (owner-routed n-gram tables, activation
+    checkpointing, compile, FSDP2): a random init is built on `meta` and only local shards are materialised.
+    """
     from flashnext.model.text import FlashNextForCausalLM
 
     dtype = _DTYPES[cfg.model.dtype]
+    distributed = ctx is not None and ctx.distributed
     if cfg.model.path is not None:
         import flashnext
 
-        return flashnext.from_pretrained(cfg.model.path, dtype=dtype, device=device).train()
-    with torch.device("meta"):
-        model = FlashNextForCausalLM(model_text_config(cfg))
-    model.to_empty(device=device)
-    model.init_weights(cfg.model.seed)
-    return model.to(dtype).train()
+        model = flashnext.from_pretrained(cfg.model.path, dtype=dtype, device="cpu" if distributed else device)
+    else:
+        with torch.device("meta"):
+            model = FlashNextForCausalLM(model_text_config(cfg))
+        model.to(dtype)
+        if not distributed:
+            model.to_empty(device=device)
+            model.init_weights(cfg.model.seed)
+    if distributed:
+        from flashnext.parallel import ParallelConfig, parallelize
+
+        pcfg = ParallelConfig(
+            ac=cfg.train.activation_checkpointing,
+            compile=cfg.train.compile,
+            seed=None if cfg.model.path is not None else cfg.model.seed,
+        )
+        model = parallelize(model, ctx.mesh, pcfg)
+    return model.train()
 
 
 def load_tokenizer_for(cfg: RunConfig):
@@ -146,16 +152,16 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, ctx: DistContext | None = None, say=print):
-        self.cfg, self.ctx = cfg, ctx or DistContext()
+        self.cfg, self.ctx = cfg, ctx or init_distributed(device="cpu")
         self.say = say if self.ctx.is_main else (lambda *a, **k: None)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
-        self.device = resolve_device(cfg.train.device)
+        self.device = self.ctx.device if self.ctx.distributed else resolve_device(cfg.train.device)
         self.out_dir = Path(cfg.out_dir)
 
-        self.model = build_model(cfg, self.device)
+        self.model = build_model(cfg, self.device, self.ctx)
         self.text_config: TextConfig = self.model.config
         self.tokenizer = load_tokenizer_for(cfg) if self._needs_tokenizer() else None
         self._check_vocab()
@@ -173,15 +179,19 @@ class Trainer:
         if cfg.train.loss == "rl" and examples[0].inference_logprobs is None:
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
-        if cfg.train.activation_checkpointing:
+        if cfg.train.activation_checkpointing and not self.ctx.distributed:  # parallelize applied both otherwise
             from flashnext.train.checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(self.model)
-        if cfg.train.compile:
+        if cfg.train.compile and not self.ctx.distributed:
             from flashnext.train.compile import compile_model
 
             compile_model(self.model)
         self.optimizers, self.param_groups = build_optimizer(self.model, cfg.optim)
+        if self.ctx.distributed:
+            from flashnext.parallel import shard_aware_optimizers
+
+            shard_aware_optimizers(self.optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
         self.schedulers = Schedulers(self.optimizers, cfg.optim)
         self.step = 0
         self.tokens_seen = 0
@@ -236,7 +246,7 @@ class Trainer:
         t0 = time.perf_counter()
         local_counts = [float(count_label_tokens(b.labels, b.cu_seqlens)) for b in batches]
         local_tokens = float(sum(b.num_tokens for b in batches))
-        num_loss_tokens, tokens = self.ctx.all_reduce_sum([sum(local_counts), local_tokens])
+        num_loss_tokens, tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens])
         loss_sum = torch.zeros((), dtype=torch.float64)
         rl_sums: dict[str, float] = {}
         for b, n_local in zip(batches, local_counts, strict=True):
@@ -247,7 +257,12 @@ class Trainer:
                 rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
         t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
-        grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)
+        if self.ctx.distributed:
+            from flashnext.parallel import clip_grad_norm_distributed
+
+            grad_norm = clip_grad_norm_distributed(params, self.cfg.optim.max_grad_norm)
+        else:
+            grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)
         for opt in self.optimizers.values():
             opt.step()
         for opt in self.optimizers.values():
@@ -257,10 +272,10 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(tokens)
 
-        (loss_total,) = self.ctx.all_reduce_sum([float(loss_sum)])
+        (loss_total,) = all_reduce_sum(self.ctx, [float(loss_sum)])
         seconds = time.perf_counter() - t0
         flops = 3.0 * sum(self.cost_fn(b.lengths) for b in batches)  # forward + backward (2x), no recompute
-        (flops,) = self.ctx.all_reduce_sum([flops])
+        (flops,) = all_reduce_sum(self.ctx, [flops])
         out = {
             "step": self.step,
             "loss": loss_total,
@@ -286,24 +301,17 @@ class Trainer:
         return out
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
+        """Everything but the model and optimizer tensors: step, schedule, data position, RNG states."""
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "model": self.model.state_dict(),
-            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "schedulers": self.schedulers.state_dict(),
             "data": self.loader.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        missing = sorted(set(self.optimizers) ^ set(state["optimizers"]))
-        if missing:
-            raise ConfigError(f"checkpoint optimizers {sorted(state['optimizers'])} != run's {sorted(self.optimizers)}")
-        for k, o in self.optimizers.items():
-            o.load_state_dict(state["optimizers"][k])
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.schedulers.load_state_dict(state["schedulers"])
         self.loader.load_state_dict(state["data"])
         self.batches = iter(self.loader)
@@ -311,18 +319,59 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state of a single process (what `state.pt` holds)."""
+        return {
+            **self.trainer_state(),
+            "model": self.model.state_dict(),
+            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if set(self.optimizers) != set(state["optimizers"]):
+            raise ConfigError(f"checkpoint optimizers {sorted(state['optimizers'])} != run's {sorted(self.optimizers)}")
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state["optimizers"][k])
+        self.load_trainer_state(state)
+
     def save_checkpoint(self) -> Path:
-        return ckpt.save(
-            self.out_dir / "checkpoints",
-            self.step,
-            self.state_dict(),
-            meta={
-                "step": self.step,
-                "run_config": self.cfg.model_dump(mode="json"),
-                "model_config": self.text_config.to_dict(),
-            },
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        """Checkpoint `step_N`: `state.pt` in a single process, a sharded DCP checkpoint with a process group."""
+        root = self.out_dir / "checkpoints"
+        meta = {
+            "step": self.step,
+            "run_config": self.cfg.model_dump(mode="json"),
+            "model_config": self.text_config.to_dict(),
+            "world_size": self.ctx.world_size,
+        }
+        keep = self.cfg.checkpoint.keep_last
+        if not self.ctx.distributed:
+            return ckpt.save(root, self.step, self.state_dict(), meta=meta, keep_last=keep)
+        import torch.distributed as dist
+
+        from flashnext.parallel import save_state
+
+        path = save_state(ckpt.step_dir(root, self.step), self.model, self.optimizers, extra=self.trainer_state())
+        if self.ctx.is_main:
+            ckpt.commit(root, path, meta, keep_last=keep)
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a checkpoint of either format (a sharded one at any world size, including a single process)."""
+        from flashnext.parallel.dcp import STATE_FILE as SHARDED_STATE
+
+        if (Path(path) / SHARDED_STATE).exists():
+            from flashnext.parallel import load_state
+
+            self.load_trainer_state(load_state(path, self.model, self.optimizers))
+        elif self.ctx.distributed:
+            raise ConfigError(
+                f"{path} is a single-process checkpoint; resume it with one process, or convert it "
+                "(flashnext convert) and start from the exported weights"
+            )
+        else:
+            self.load_state_dict(ckpt.load(path))
 
     def maybe_resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` names (`latest`: newest one, if any)."""
@@ -333,7 +382,8 @@ class Trainer:
         if path is None:
             self.say(f"resume=latest: no checkpoint in {self.out_dir / 'checkpoints'}, starting fresh")
             return None
-        self.load_state_dict(ckpt.load(path))
+        ckpt.load_meta(path)  # a clear error for a directory that is no checkpoint
+        self.load_checkpoint(path)
         self.say(f"resumed from {path} at step {self.step}")
         return path
 
@@ -373,7 +423,7 @@ class Trainer:
         if history:
             path = self.save_checkpoint()
             self.say(f"checkpoint: {path}")
-        if cfg.checkpoint.export and self.ctx.is_main:
+        if cfg.checkpoint.export:
             final = self.out_dir / "final"
             self.export(final)
             self.say(f"exported the model in the official layout to {final}")
@@ -387,9 +437,17 @@ class Trainer:
         return history
 
     def export(self, path: Path) -> None:
-        """The current weights in the official Hugging Face layout (+ the tokenizer files)."""
-        self.model.save_pretrained(path)
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
+        """The current weights in the official Hugging Face layout (+ the tokenizer files); collective.
+
+        With a process group every rank writes what it owns (n-gram table shards) and rank 0 the rest.
+        """
+        if self.ctx.distributed:
+            from flashnext.parallel import export_pretrained
+
+            export_pretrained(self.model, path)
+        else:
+            self.model.save_pretrained(path)
+        if self.ctx.is_main and self.tokenizer is not None and hasattr(self.tokenizer, "save"):
             self.tokenizer.save(path)
 
 
@@ -454,7 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         if print_config:
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
-        Trainer(cfg).run()
+        # under torchrun: one process group over every rank (gloo on CPU, NCCL on CUDA); else a single process
+        device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
+        ctx = init_distributed(device=device)
+        try:
+            Trainer(cfg, ctx).run()
+        finally:
+            destroy_distributed(ctx)
     except (ConfigError, InputError, OSError) as e:
         print(f"flashnext train: error: {e}", file=sys.stderr)
         return 1
