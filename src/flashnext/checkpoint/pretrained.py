@@ -13,7 +13,9 @@ from flashnext.config import load_config
 def from_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Load a text (`qwen4_exp_text`) or composite (`qwen4_exp`) checkpoint into `FlashNextForCausalLM`.
+    """Load a checkpoint: `FlashNextForConditionalGeneration` for a composite (`qwen4_exp`) one with a vision tower,
+    `FlashNextForCausalLM` for a text (`qwen4_exp_text`) one or a composite one with `language_model_only: true`
+    or no `vision_config` (its `model.visual.*` tensors, if any, are kept in `extra_tensors`).
 
     The model is built on `meta`, cast to `dtype` there (free), allocated once with `to_empty(device=...)`,
     its derived buffers recomputed (`reset_buffers()`), then every weight is copied in place; no parameter is
@@ -32,14 +34,17 @@ def from_pretrained(
         ConfigError: invalid `config.json`.
         CheckpointError: missing/unexpected/mis-shaped/wrong-dtype keys or unreadable files, all listed.
     """
-    from flashnext.model.text import FlashNextForCausalLM  # deferred: keeps `import flashnext` cheap
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration  # deferred: keeps `import flashnext` cheap
+    from flashnext.model.text import FlashNextForCausalLM
 
     cfg = load_config(path)
+    multimodal = cfg.vision_config is not None
     with torch.device("meta"):
-        model = FlashNextForCausalLM(cfg.text)
+        model = FlashNextForConditionalGeneration(cfg) if multimodal else FlashNextForCausalLM(cfg.text)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     model.reset_buffers()
     model.model_config = cfg
-    load_checkpoint(model, path, prefix_style="composite" if cfg.composite else "text")
+    style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
+    load_checkpoint(model, path, prefix_style=style)
     return model.eval()
