@@ -330,6 +330,10 @@ class ModelConfig:
     def vision_start_token_id(self) -> int:
         return int(self.top.get("vision_start_token_id", 248053))
 
+    @property
+    def vision_end_token_id(self) -> int:
+        return int(self.top.get("vision_end_token_id", 248054))
+
     def to_dict(self) -> dict[str, Any]:
         if not self.composite:
             out = self.text.to_dict()
