@@ -211,6 +211,7 @@ def test_roundtrip_through_transformers(pair, tmp_path, rel_error):
     visual = [k for k in ref_disk if k.startswith("model.visual.")]
     assert visual and all(torch.equal(on_disk[k], ref_disk[k]) for k in visual)
     ids, mask, grid, px, _ = _batch(seed=5)
+    ids, mask, grid, px = ids[1:2], mask[1:2], grid[1:], px[60:]  # the two-image prompt
     mm = (ids == IMG).long()
     with torch.no_grad():
         a = back.eval()(input_ids=ids, attention_mask=mask, pixel_values=px, image_grid_thw=grid, mm_token_type_ids=mm)
