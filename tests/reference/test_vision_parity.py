@@ -24,7 +24,7 @@ from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
 import flashnext
 from flashnext.checkpoint import load_checkpoint
 from flashnext.config import load_config
-from flashnext.errors import InputError
+from flashnext.errors import CheckpointError, InputError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration, get_rope_index
 from flashnext.model.text import FlashNextForCausalLM
 
@@ -226,6 +226,10 @@ def test_language_model_only_checkpoint(pair, tmp_path, rel_error):
     tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.startswith("model.visual.")}
     save_file(tensors, tmp_path / "lmo" / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "lmo" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="sets `language_model_only: true`") as info:
+        flashnext.from_pretrained(tmp_path / "lmo")  # the config still promises a vision tower
+    assert info.value.problems and all(x.startswith("missing: model.visual.") for x in info.value.problems)
     (tmp_path / "lmo" / "config.json").write_text(json.dumps({**cfg, "language_model_only": True}))
 
     text = flashnext.from_pretrained(tmp_path / "lmo")

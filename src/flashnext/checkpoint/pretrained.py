@@ -8,6 +8,7 @@ import torch
 
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import load_config
+from flashnext.errors import CheckpointError
 
 
 def from_pretrained(
@@ -46,5 +47,14 @@ def from_pretrained(
     model.reset_buffers()
     model.model_config = cfg
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
-    load_checkpoint(model, path, prefix_style=style)
+    try:
+        load_checkpoint(model, path, prefix_style=style)
+    except CheckpointError as e:
+        if multimodal and e.problems and all(x.startswith("missing: model.visual.") for x in e.problems):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no vision tower weights but its config.json has a vision_config; "
+                "a text-only composite checkpoint sets `language_model_only: true`",
+                e.problems,
+            ) from None
+        raise
     return model.eval()
