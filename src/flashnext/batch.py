@@ -165,11 +165,14 @@ class PackedBatch:
         input_ids: int64 [T].
         labels: int64 [T]; the token itself where it carries loss, -100 elsewhere (the loss shifts them).
         cu_seqlens: int32 [N+1], 0 first, last == T.
-        position_ids: int64 [T], restarting at 0 at each sequence start.
+        position_ids: int64 [T], restarting at 0 at each sequence start, or [3, T] MRoPE positions (images).
         max_seqlen: longest sequence (host int).
         advantages: optional float [T] (RL).
         inference_logprobs: optional float [T] (RL).
         routed_experts: optional int64 [T, n_moe_layers, top_k] (router replay).
+        pixel_values: optional float [sum t*h*w, P], the patches of every image in stream order.
+        image_grid_thw: optional int64 [n_images, 3], each image's (t, h, w) in patches.
+        mm_token_type_ids: optional int [T], 0 text / 1 image placeholder.
     """
 
     input_ids: torch.Tensor
@@ -180,6 +183,14 @@ class PackedBatch:
     advantages: torch.Tensor | None = None
     inference_logprobs: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    mm_token_type_ids: torch.Tensor | None = None
+
+    def image_kwargs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The image fields that are set, moved to `device`, as keyword arguments of the composite model."""
+        names = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+        return {n: getattr(self, n).to(device) for n in names if getattr(self, n) is not None}
 
     @property
     def num_tokens(self) -> int:
@@ -206,4 +217,41 @@ class PackedBatch:
             cu_seqlens=torch.tensor(cu, dtype=torch.int32),
             position_ids=torch.tensor([p for n in lengths for p in range(n)], dtype=torch.int64),
             max_seqlen=max(lengths, default=0),
+        )
+
+    @classmethod
+    def concat(cls, parts: list[PackedBatch]) -> PackedBatch:
+        """Pack several packed batches into one stream (sequences, then images, in order).
+
+        Optional per-token fields must be set on all parts or none; positions must have the same rank.
+        """
+        if not parts:
+            raise InputError("PackedBatch.concat needs at least one batch")
+        cu = [0]
+        for b in parts:
+            cu += [cu[-1] + n for n in b.lengths]
+
+        def cat(name: str, dim: int = 0):
+            values = [getattr(b, name) for b in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise InputError(f"PackedBatch.concat: {name} is set on some batches but not all")
+            return torch.cat(values, dim=dim)
+
+        pos_dims = {b.position_ids.dim() for b in parts}
+        if len(pos_dims) != 1:
+            raise InputError(f"PackedBatch.concat: position_ids mix [T] and [3, T] layouts ({sorted(pos_dims)})")
+        return cls(
+            input_ids=cat("input_ids"),
+            labels=cat("labels"),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            position_ids=cat("position_ids", dim=-1),
+            max_seqlen=max(b.max_seqlen for b in parts),
+            advantages=cat("advantages"),
+            inference_logprobs=cat("inference_logprobs"),
+            routed_experts=cat("routed_experts"),
+            pixel_values=cat("pixel_values"),
+            image_grid_thw=cat("image_grid_thw"),
+            mm_token_type_ids=cat("mm_token_type_ids"),
         )

@@ -232,6 +232,77 @@ class TextConfig:
 
 
 @dataclass
+class VisionConfig:
+    """Vision tower geometry (`model_type` `qwen4_exp_vision`); defaults are the reference's.
+
+    Only read from a checkpoint: `ModelConfig.vision` keeps the raw dict so a config round-trips unchanged.
+    """
+
+    depth: int = 27
+    """Number of transformer blocks."""
+    hidden_size: int = 1152
+    """Width of the vision blocks."""
+    hidden_act: str = "gelu_pytorch_tanh"
+    """Activation of the block MLPs (the merger always uses exact GELU, as the reference)."""
+    intermediate_size: int = 4304
+    """Width of the block MLPs."""
+    num_heads: int = 16
+    """Attention heads per block (head dim = hidden_size / num_heads)."""
+    in_channels: int = 3
+    """Image channels."""
+    patch_size: int = 16
+    """Spatial side of one patch, in pixels."""
+    spatial_merge_size: int = 2
+    """Side of the square of patches the merger folds into one text token."""
+    temporal_patch_size: int = 2
+    """Frames per patch (an image is repeated to fill them)."""
+    out_hidden_size: int = 3584
+    """Merger output width: the text model's hidden size."""
+    num_position_embeddings: int = 2304
+    """Rows of the learned position table: a square grid of side sqrt(num_position_embeddings)."""
+    rope_theta: float = 10000.0
+    """Base of the axial 2-D rotary embedding."""
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"vision_config.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}"
+            )
+        if (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError(
+                f"vision head dim {self.hidden_size // self.num_heads} must be a multiple of 4 (axial 2-D rotary)"
+            )
+        side = int(self.num_position_embeddings**0.5)
+        if side * side != self.num_position_embeddings:
+            raise ConfigError(
+                f"vision_config.num_position_embeddings={self.num_position_embeddings} is not a square number"
+            )
+        if self.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"vision_config.hidden_act={self.hidden_act!r}: expected 'gelu_pytorch_tanh' or 'gelu'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch: in_channels * temporal_patch_size * patch_size**2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VisionConfig:
+        known = {f.name for f in dataclasses.fields(cls)} - {"rope_theta"}
+        for key in ("patch_size", "temporal_patch_size"):
+            if isinstance(data.get(key), list | tuple):
+                raise ConfigError(f"vision_config.{key}={data[key]!r}: only a single int is supported")
+        rope = data.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}: expected 'axial'")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        return cls(**kwargs, rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+@dataclass
 class ModelConfig:
     """What a checkpoint directory holds: the text config, plus the composite wrapper fields when present.
 
@@ -243,6 +314,25 @@ class ModelConfig:
     language_model_only: bool = False
     vision: dict[str, Any] | None = None
     top: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vision_config(self) -> VisionConfig | None:
+        """The parsed vision tower config, or None (text checkpoint, no `vision_config`, `language_model_only`)."""
+        if not self.composite or self.vision is None or self.language_model_only:
+            return None
+        return VisionConfig.from_dict(self.vision)
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.top.get("image_token_id", 248056))
+
+    @property
+    def vision_start_token_id(self) -> int:
+        return int(self.top.get("vision_start_token_id", 248053))
+
+    @property
+    def vision_end_token_id(self) -> int:
+        return int(self.top.get("vision_end_token_id", 248054))
 
     def to_dict(self) -> dict[str, Any]:
         if not self.composite:

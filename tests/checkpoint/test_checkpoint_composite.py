@@ -10,7 +10,10 @@ from safetensors.torch import load_file
 from transformers import Qwen4ExpForConditionalGeneration
 
 import flashnext
-from flashnext.checkpoint import layout
+from flashnext.checkpoint import layout, load_checkpoint
+from flashnext.config import load_config
+from flashnext.model.multimodal import FlashNextForConditionalGeneration
+from flashnext.model.text import FlashNextForCausalLM
 
 MTP = {
     "mtp.fc.weight": torch.randn(32, 64),
@@ -42,10 +45,12 @@ def test_composite_with_vision_and_mtp(tmp_path):
     on_disk = load_file(tmp_path / "ref" / "model.safetensors")
 
     model = flashnext.from_pretrained(tmp_path / "ref")
-    assert model.checkpoint_style == "composite" and model.model_config.composite
-    assert_same_tensors(ours_with_buffers(model), text_part(ref.state_dict()))
-    extra = {k: v for k, v in on_disk.items() if k.startswith(("mtp.", "model.visual."))}
-    assert any(k.startswith("model.visual.") for k in extra)
+    assert isinstance(model, FlashNextForConditionalGeneration)
+    assert model.checkpoint_style == "multimodal" and model.model_config.composite
+    # The composite model keeps the reference's in-memory names, vision tower included.
+    assert_same_tensors(ours_with_buffers(model), ref.state_dict())
+    assert any(k.startswith("model.visual.") for k in model.state_dict())
+    extra = {k: v for k, v in on_disk.items() if k.startswith("mtp.")}
     assert_same_tensors(model.extra_tensors, extra)  # stored dtype kept (bf16 mtp stays bf16)
 
     model.save_pretrained(tmp_path / "ours")
@@ -79,3 +84,20 @@ def test_language_model_only_composite(tmp_path):
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["language_model_only"] is True
     again = flashnext.from_pretrained(tmp_path / "ours")
     assert_same_tensors(ours_with_buffers(again), text_part(ref.state_dict()))
+
+
+def test_text_model_reads_composite_keeping_visual_aside(tmp_path):
+    """The text model alone can still read a composite checkpoint: `model.visual.*` goes to extra_tensors."""
+    ref = build_composite_reference(seed=2)
+    ref.save_pretrained(tmp_path / "ref")
+    on_disk = load_file(tmp_path / "ref" / "model.safetensors")
+    cfg = load_config(tmp_path / "ref")
+    model = FlashNextForCausalLM(cfg.text)
+    model.model_config = cfg
+    load_checkpoint(model, tmp_path / "ref")
+    assert model.checkpoint_style == "composite"
+    assert_same_tensors(ours_with_buffers(model), text_part(ref.state_dict()))
+    visual = {k: v for k, v in on_disk.items() if k.startswith("model.visual.")}
+    assert visual and set(model.extra_tensors) == set(visual)
+    model.save_pretrained(tmp_path / "ours")
+    assert headers(tmp_path / "ours") == headers(tmp_path / "ref")

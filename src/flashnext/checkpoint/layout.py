@@ -9,8 +9,13 @@ in three ways, each handled here without touching tensor data:
   `mlp.experts.{e}.down_proj.weight [D, I]` -> `mlp.experts.down_proj[e]`         (`down_proj: [E, D, I]`).
 - The n-gram table `ple_embedding.ngram_embedding.weight [R, d]` is stored as row chunks
   `ple_embedding.ngram_embedding.shard_{j}.weight`, split like `torch.chunk(table, split_ngram_parts)`.
-- Composite (`model_type: qwen4_exp`) checkpoints put the decoder under `model.language_model.*` (our `model.*`);
-  `lm_head.*` keeps its name in both layouts.
+- Composite (`model_type: qwen4_exp`) checkpoints put the decoder under `model.language_model.*` (the text
+  model's `model.*`); `lm_head.*` keeps its name in both layouts.
+
+Naming styles (how our names relate to the disk's): `text` (text model <-> text checkpoint, identical names),
+`composite` (text model <-> composite checkpoint: our `model.*` is the disk's `model.language_model.*`) and
+`multimodal` (`FlashNextForConditionalGeneration` <-> composite checkpoint: identical names, `model.visual.*`
+included, since the composite model keeps the reference's in-memory names).
 
 A `Slot` names one on-disk tensor and the region of one of our tensors it fills, so load and save are both
 "for each slot: copy `disk <-> ours[slot.index]`".
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 TEXT = "text"
 COMPOSITE = "composite"
+MULTIMODAL = "multimodal"
 
 _TEXT_PREFIX = "model."
 _COMPOSITE_PREFIX = "model.language_model."
@@ -80,6 +86,16 @@ def from_disk_name(disk_key: str, style: str) -> str | None:
             return _TEXT_PREFIX + disk_key[len(_COMPOSITE_PREFIX) :]
         return disk_key if disk_key.startswith("lm_head.") else None
     return disk_key
+
+
+def model_style(our_keys) -> str | None:
+    """`"multimodal"` when our names already carry `model.language_model.` (the composite model), else None."""
+    return MULTIMODAL if any(k.startswith(_COMPOSITE_PREFIX) for k in our_keys) else None
+
+
+def embed_name(our_keys) -> str:
+    """Our token-embedding name: `model.language_model.embed_tokens.weight` (composite model) or the text one."""
+    return _COMPOSITE_PREFIX + "embed_tokens.weight" if model_style(our_keys) else _TEXT_PREFIX + "embed_tokens.weight"
 
 
 def detect_style(disk_keys) -> str:

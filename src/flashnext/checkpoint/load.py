@@ -24,13 +24,13 @@ from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import StreamReader, checkpoint_files, is_float_dtype, read_headers
 from flashnext.errors import CheckpointError
 
-PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE)
+PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE, layout.MULTIMODAL)
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def shares_embedding(tensors: dict[str, torch.Tensor]) -> bool:
     """True when `lm_head.weight` shares storage with the token embedding (physically tied)."""
-    head, emb = tensors.get(HEAD), tensors.get(EMBED)
+    head, emb = tensors.get(HEAD), tensors.get(layout.embed_name(tensors))
     return head is not None and emb is not None and head.data_ptr() == emb.data_ptr()
 
 
@@ -51,6 +51,7 @@ class _Matcher:
     def __init__(self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str, tie: bool):
         self.ours, self.buffers, self.style = ours, buffers, style
         self.shared = shares_embedding(ours)
+        self.embed = layout.embed_name(ours)
         self.tie = tie or self.shared
         plan = layout.build_plan({k: t.shape for k, t in ours.items()}, style=style, split_ngram_parts=1)
         self.tables = {s.our_key: s for s in plan.values() if layout.NGRAM_SHARD.match(s.disk_key)}
@@ -96,7 +97,7 @@ class _Matcher:
 
     def finish(self, headers: dict, lost: set[str]) -> None:
         """Resolve n-gram shards into row slots and list missing keys (`lost` ones sit in unreadable files)."""
-        embed = layout.to_disk_name(EMBED, self.style)
+        embed = layout.to_disk_name(self.embed, self.style)
         if self.tie and HEAD in self.plan and HEAD not in headers and embed in headers:
             # Tied checkpoints omit lm_head (as transformers saves them): fill it from the embedding.
             self.slots.append(layout.Slot(embed, HEAD, self.plan.pop(HEAD).shape))
@@ -149,8 +150,10 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
             on its final device and dtype (each tensor is cast to its parameter's dtype while copying).
         path: a checkpoint directory (`model.safetensors`, or shards + `model.safetensors.index.json`) or
             one `.safetensors` file.
-        prefix_style: `"text"` (`model.*`), `"composite"` (`model.language_model.*`), or `"auto"` (composite
-            when any key is under `model.language_model.`).
+        prefix_style: `"text"` (`model.*`), `"composite"` (`model.language_model.*` into a text model),
+            `"multimodal"` (a composite checkpoint into `FlashNextForConditionalGeneration`: identical names), or
+            `"auto"` (multimodal for the composite model, else composite when any key is under
+            `model.language_model.`, else text).
 
     Sets `model.extra_tensors` (see module doc) and `model.checkpoint_style` (the layout that was read).
 
@@ -162,8 +165,8 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
         raise CheckpointError(f"prefix_style={prefix_style!r}: expected one of {PREFIX_STYLES}")
     files, weight_map = checkpoint_files(path)
     headers, problems, lost = read_headers(files, weight_map)
-    style = layout.detect_style(headers) if prefix_style == "auto" else prefix_style
     ours, buffers = _model_tensors(model)
+    style = (layout.model_style(ours) or layout.detect_style(headers)) if prefix_style == "auto" else prefix_style
     cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
     match = _Matcher(ours, buffers, style, ties_embeddings(cfg))
     for key, (_, shape, dtype) in headers.items():

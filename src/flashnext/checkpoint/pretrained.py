@@ -8,12 +8,15 @@ import torch
 
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import load_config
+from flashnext.errors import CheckpointError
 
 
 def from_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Load a text (`qwen4_exp_text`) or composite (`qwen4_exp`) checkpoint into `FlashNextForCausalLM`.
+    """Load a checkpoint: `FlashNextForConditionalGeneration` for a composite (`qwen4_exp`) one with a vision tower,
+    `FlashNextForCausalLM` for a text (`qwen4_exp_text`) one or a composite one with `language_model_only: true`
+    or no `vision_config` (its `model.visual.*` tensors, if any, are kept in `extra_tensors`).
 
     The model is built on `meta`, cast to `dtype` there (free), allocated once with `to_empty(device=...)`,
     its derived buffers recomputed (`reset_buffers()`), then every weight is copied in place; no parameter is
@@ -32,14 +35,26 @@ def from_pretrained(
         ConfigError: invalid `config.json`.
         CheckpointError: missing/unexpected/mis-shaped/wrong-dtype keys or unreadable files, all listed.
     """
-    from flashnext.model.text import FlashNextForCausalLM  # deferred: keeps `import flashnext` cheap
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration  # deferred: keeps `import flashnext` cheap
+    from flashnext.model.text import FlashNextForCausalLM
 
     cfg = load_config(path)
+    multimodal = cfg.vision_config is not None
     with torch.device("meta"):
-        model = FlashNextForCausalLM(cfg.text)
+        model = FlashNextForConditionalGeneration(cfg) if multimodal else FlashNextForCausalLM(cfg.text)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     model.reset_buffers()
     model.model_config = cfg
-    load_checkpoint(model, path, prefix_style="composite" if cfg.composite else "text")
+    style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
+    try:
+        load_checkpoint(model, path, prefix_style=style)
+    except CheckpointError as e:
+        if multimodal and e.problems and all(x.startswith("missing: model.visual.") for x in e.problems):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no vision tower weights but its config.json has a vision_config; "
+                "a text-only composite checkpoint sets `language_model_only: true`",
+                e.problems,
+            ) from None
+        raise
     return model.eval()

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
-from flashnext.checkpoint.load import EMBED, HEAD, shares_embedding, ties_embeddings
+from flashnext.checkpoint.load import HEAD, shares_embedding, ties_embeddings
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
 
@@ -45,10 +45,11 @@ def _skip_head(ours: dict[str, torch.Tensor], tie: bool) -> bool:
         return True
     if not tie or HEAD not in ours:
         return False
-    if torch.equal(ours[HEAD], ours[EMBED]):
+    embed = layout.embed_name(ours)
+    if torch.equal(ours[HEAD], ours[embed]):
         return True
     raise CheckpointError(
-        f"tie_word_embeddings=True but {HEAD} differs from {EMBED}: a tied checkpoint cannot hold both"
+        f"tie_word_embeddings=True but {HEAD} differs from {embed}: a tied checkpoint cannot hold both"
     )
 
 
@@ -120,7 +121,7 @@ def save_pretrained(
         The directory.
     """
     cfg = config or model_config_of(model)
-    style = layout.COMPOSITE if cfg.composite else layout.TEXT
+    style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
     entries = _entries(model, style, cfg)
     files = _shard(entries, max_shard_bytes)
     directory = Path(directory)

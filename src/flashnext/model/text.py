@@ -47,9 +47,19 @@ class FlashNextTextModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
 
-    def forward(self, input_ids: torch.Tensor, seg: Segments, replay: torch.Tensor | None = None):
-        """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k])."""
-        x = self.embed_tokens(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        seg: Segments,
+        replay: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ):
+        """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k]).
+
+        `inputs_embeds` ([T, D], e.g. with image features scattered in) replaces the token embedding; `input_ids`
+        are still required: PLE hashes the raw ids (image placeholders included).
+        """
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = x.repeat(1, self.config.hc_count)
         rope = self.rotary(seg.position_ids, x.dtype)
         routed = []

@@ -13,12 +13,15 @@ from torch.utils.checkpoint import checkpoint
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Checkpoint every decoder layer of `model` (a `FlashNextForCausalLM`). Returns the number of layers wrapped.
+    """Checkpoint every decoder layer of `model` (`FlashNextForCausalLM` or the composite
+    `FlashNextForConditionalGeneration`, whose decoder is `model.language_model`). Returns the number of layers
+    wrapped.
 
     Idempotent: a layer already wrapped is left as is.
     """
     wrapped = 0
-    for layer in model.model.layers:
+    decoder = getattr(model.model, "language_model", model.model)
+    for layer in decoder.layers:
         if getattr(layer, "_flashnext_checkpointed", False):
             continue
         inner = layer.forward

@@ -12,6 +12,11 @@ Parameter groups (by name and shape, see `classify`):
 - `frozen`: the QSA indexer (`...self_attn.indexer.*`). It only chooses which blocks a query attends to; that
   choice is a discrete top-k, so no gradient reaches it. It is set to `requires_grad_(False)` and put in no
   optimizer (weight decay would otherwise shrink it although the loss never moves it).
+- The composite model's decoder (`model.language_model.*`) follows the rules above as if it were `model.*`.
+  Its vision tower (`model.visual.*`) goes to AdamW: `adamw_decay` for every tensor with ndim >= 2 (block and
+  merger matrices, the position table, the 5-D patch-embedding kernel), `adamw_no_decay` for 1-D ones. AdamW
+  is the usual regime for fine-tuning a pretrained ViT, and it needs no 2-D view of the Conv3d-shaped kernel.
+  A tower frozen with `freeze_vision()` (`requires_grad=False`) is reported `frozen` and put in no optimizer.
 
 Weight decay follows common practice: decoupled decay (`p *= 1 - lr * weight_decay` per step, in both Muon and
 AdamW) on matrices and tables (ndim >= 2, embeddings and `lm_head` included), none on 1-D parameters, whose scale
@@ -190,6 +195,10 @@ def batched_newton_schulz(
 
 def classify(name: str, p: torch.Tensor) -> str:
     """Group of one parameter by its state-dict name and shape (see the module docstring)."""
+    if name.startswith("model.visual."):
+        return ADAMW_DECAY if p.ndim >= 2 else ADAMW_NO_DECAY
+    if name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
     if ".self_attn.indexer." in name:
         return FROZEN
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
@@ -220,6 +229,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
     members: dict[str, list[torch.Tensor]] = {MUON: [], MUON_EXPERTS: [], ADAMW_DECAY: [], ADAMW_NO_DECAY: []}
     for name, p in model.named_parameters():
         group = classify(name, p)
+        if name.startswith("model.visual.") and not p.requires_grad:
+            group = FROZEN  # a frozen vision tower (freeze_vision): no optimizer state
         report[name] = group
         if group == FROZEN:
             p.requires_grad_(False)

@@ -229,7 +229,7 @@ class Trainer:
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
-        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay)
+        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev))
         labels = b.labels.to(dev)
         if self.cfg.train.loss == "sft":
             return sft_loss(out.logits, labels, cu, num_loss_tokens), {}
@@ -341,7 +341,7 @@ class Trainer:
         meta = {
             "step": self.step,
             "run_config": self.cfg.model_dump(mode="json"),
-            "model_config": self.text_config.to_dict(),
+            "model_config": _model_config_dict(self.model),
             "world_size": self.ctx.world_size,
         }
         keep = self.cfg.checkpoint.keep_last
@@ -525,14 +525,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _model_config_dict(model: torch.nn.Module) -> dict:
+    """The config a checkpoint's `meta.json` records: the composite one for a model with a vision tower."""
+    composite = getattr(model, "model_config", None)
+    if composite is not None and composite.vision_config is not None:
+        return composite.to_dict()
+    return model.config.to_dict()
+
+
 def convert_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Write a training checkpoint's model in the official Hugging Face layout (+ the run's tokenizer files)."""
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration
     from flashnext.model.text import FlashNextForCausalLM
 
     meta = ckpt.load_meta(checkpoint)
     state = ckpt.load(checkpoint)["model"]
+    cfg = parse_config(meta["model_config"])
     with torch.device("meta"):
-        model = FlashNextForCausalLM(parse_config(meta["model_config"]).text)
+        model = FlashNextForConditionalGeneration(cfg) if cfg.vision_config else FlashNextForCausalLM(cfg.text)
     model.to_empty(device="cpu")
     model.reset_buffers()
     model.to(next(iter(state.values())).dtype)
