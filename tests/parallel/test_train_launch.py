@@ -1,0 +1,85 @@
+"""`torchrun -m flashnext.train` at world size 2 (gloo) takes the same steps as one process, and its sharded
+checkpoint resumes in one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_helpers import free_port
+
+from flashnext.train.config import load_run_config
+from flashnext.train.trainer import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _toml_inline(d):
+    def lit(v):
+        if isinstance(v, dict):
+            return _toml_inline(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        return json.dumps(v)
+
+    return "{" + ", ".join(f"{k} = {lit(v)}" for k, v in d.items()) + "}"
+
+
+def _data(path, n=16, vocab=64):
+    gen = torch.Generator().manual_seed(3)
+    with open(path, "w") as f:
+        for _ in range(n):
+            ids = torch.randint(0, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return path
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_config, tmp_path):
+    data = _data(tmp_path / "d.jsonl")
+    common = [
+        f"--data.path={data}",
+        "--data.token_budget=48",
+        "--optim.warmup_steps=1",
+        "--log.progress=false",
+        "--log.peak_flops=1e9",
+        "--train.steps=3",
+        "--train.activation_checkpointing=true",
+        "--checkpoint.every=2",
+        "--checkpoint.export=false",
+        "--model.overrides=" + _toml_inline(small_config),
+    ]
+    # the same global batch: 2 micro-batches in one process, 1 per rank on 2 ranks
+    single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=2"]))
+    single.run()
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "flashnext.train", *common, f"--out_dir={tmp_path / 'two'}",
+           "--data.micro_batches=1"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [m["step"] for m in two] == [1, 2, 3]  # rank 0 alone writes metrics
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["tokens"] == a["tokens"]
+
+    # the world-size-2 (sharded) checkpoint of step 2 continues in one process to the same step 3
+    ckpt = tmp_path / "two" / "checkpoints" / "step_00000002"
+    assert (ckpt / "meta.json").exists() and json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
+    resumed = Trainer(
+        load_run_config(
+            None, [*common, f"--out_dir={tmp_path / 'three'}", "--data.micro_batches=2", f"--checkpoint.resume={ckpt}"]
+        )
+    )
+    (last,) = resumed.run()
+    assert last["step"] == 3 and last["loss"] == pytest.approx(two[-1]["loss"], rel=1e-6, abs=1e-7)
+    for (name, a), b in zip(single.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)  # sums reduced in another order
