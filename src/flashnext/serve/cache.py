@@ -82,7 +82,8 @@ class StateCache:
         S = max_slots + 1
         self.layers = [self._layer(cfg, i, S, dtype, device) for i in range(cfg.num_hidden_layers)]
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        self.reset_slot(self.scratch_slot)
+        for slot in range(S):
+            self.reset_slot(slot)
 
     def _layer(self, cfg: TextConfig, i: int, S: int, dtype, device) -> LayerCache:
         lc = LayerCache()
