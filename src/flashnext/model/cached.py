@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.batch import Segments, make_segments
+from flashnext.ops.conv import causal_conv1d_varlen
 
 
 @dataclass
@@ -89,10 +90,29 @@ class StepBatch:
         """
         N, W = hist.shape[:2]
         pos_ext, real, head, _ = self.extended(W)
+        if self.is_decode:  # [hist, token] per entry is already the extended layout
+            return torch.cat([hist.to(x.dtype), x.unsqueeze(1)], dim=1).flatten(0, 1), pos_ext
         x_ext = x.new_empty(x.shape[0] + N * W, *x.shape[1:])
-        x_ext[real] = x
-        x_ext[head.flatten()] = hist.reshape(N * W, *x.shape[1:]).to(x.dtype)
+        x_ext.index_copy_(0, real, x)
+        x_ext.index_copy_(0, head.flatten(), hist.reshape(N * W, *x.shape[1:]).to(x.dtype))
         return x_ext, pos_ext
+
+    def conv(self, x_ext: torch.Tensor, pos_ext: torch.Tensor, weight: torch.Tensor, W: int, dilation: int = 1):
+        """`ops.conv.causal_conv1d_varlen` over the extended stream, returned at the real rows: [T, C].
+
+        A decode step computes only each entry's last row, with the same taps in the same order.
+        """
+        if not self.is_decode:
+            return causal_conv1d_varlen(x_ext, weight, pos_ext, dilation)[self.extended(W)[1]]
+        K = weight.shape[-1]
+        out_dtype = weight.dtype
+        acc = torch.promote_types(out_dtype, torch.float32)
+        x3 = x_ext.to(out_dtype).to(acc).view(-1, W + 1, x_ext.shape[-1])
+        weight = weight.to(acc)
+        out = x3[:, W] * weight[:, K - 1]
+        for k in range(1, K):
+            out = out + x3[:, W - k * dilation] * weight[:, K - 1 - k]
+        return out.to(out_dtype)
 
     def write_window(self, buf: torch.Tensor, x_ext: torch.Tensor) -> None:
         """Store each live entry's last W extended rows as its slot's next window. buf: [S, W, *C]."""

@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         rule with the cached state as initial state. Live entries' windows and states are written back.
         """
         qkv_in, pos_ext = step.with_history(self.in_proj_qkv(x), cache.conv.index_select(0, step.slots))
-        qkv = causal_conv1d_varlen(qkv_in, self.conv1d.weight.squeeze(1), pos_ext)[step.extended(cache.width)[1]]
+        qkv = step.conv(qkv_in, pos_ext, self.conv1d.weight.squeeze(1), cache.width)
         q, k, v, g, beta, z = self._heads(x, F.silu(qkv).to(x.dtype))
         state = cache.state.index_select(0, step.slots)
         if step.is_decode:

@@ -67,8 +67,7 @@ class PLELayer(nn.Module):
         emb = self.ple_embedding.ngram_embedding(rows).flatten(-2)
         gated = self._gated(residual, emb)
         conv_in, conv_pos = step.with_history(self.norm_conv(gated), cache.conv.index_select(0, step.slots))
-        conv = causal_conv1d_varlen(conv_in, self.conv1d.weight.squeeze(1), conv_pos, self.dilation)
-        conv = conv[step.extended(cache.conv.shape[1])[1]]
+        conv = step.conv(conv_in, conv_pos, self.conv1d.weight.squeeze(1), cache.conv.shape[1], self.dilation)
         step.write_window(cache.ctx, ids_ext)
         step.write_window(cache.conv, conv_in)
         return gated + F.silu(conv).to(gated.dtype)
