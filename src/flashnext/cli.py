@@ -6,7 +6,9 @@ Subcommands:
 
     flops: forward FLOPs of one packed batch per component (analytic; `--measure` adds torch's count on meta).
 
-Later subcommands (train, serve, generate, convert) join `_COMMANDS`.
+    train: `flashnext train --config run.toml [--section.field=value ...]` (see `flashnext.train.trainer`).
+
+    convert: a training checkpoint -> the official Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -235,9 +237,22 @@ def run_flops(args: argparse.Namespace) -> None:
         print(f"  {name:14s} {value / 1e9:12.4f} G{extra}")
 
 
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a training checkpoint (checkpoints/step_N)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the official Hugging Face layout")
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    from flashnext.train.trainer import convert_checkpoint
+
+    out = convert_checkpoint(args.checkpoint, args.out)
+    print(f"wrote {out} (official layout; load with flashnext.from_pretrained or transformers)")
+
+
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
     "demo": ("build, save, reload and run the embedded tiny model", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
+    "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
 }
 
 
@@ -255,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser: --section.field=value overrides of the run config
+        from flashnext.train.trainer import main as train_main
+
+        return train_main(argv[1:])
     if not argv or (argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["demo", *argv]  # demo is the default subcommand, its flags may follow directly
     args = build_parser().parse_args(argv)

@@ -12,6 +12,10 @@ Each non-blank line is one JSON object of one of three kinds, detected from its 
   full one; templates that rewrite earlier turns (e.g. dropping past reasoning) are rejected with an error.
 - `{"input_ids": [int, ...], "labels": [int, ...]}`: pre-tokenized; `labels` (same length, -100 = no loss) is
   optional and defaults to every token.
+- RL rollouts are pre-tokenized lines with, in addition, `"inference_logprobs": [float, ...]` (entry t is the
+  inference engine's log-probability of `input_ids[t]`; any value on prompt tokens), `"advantages"` (one float
+  for the whole sequence or one per token) and optionally `"routed_experts": [[[int] * top_k] * n_moe_layers]`
+  per token (the experts the engine used, replayed by the trainer's router).
 
 Labels are not shifted: `labels[t]` is token t where it carries loss, -100 elsewhere; the loss
 (`batch.next_token_targets`) makes token t predict `labels[t + 1]`.
@@ -45,13 +49,30 @@ class Example:
     Attributes:
         input_ids: token ids [n].
         labels: [n], the token id where it carries loss, -100 on prompt tokens.
+        advantages: RL only, [n] per-token advantages.
+        inference_logprobs: RL only, [n]; entry t is the engine's log-probability of `input_ids[t]`.
+        routed_experts: RL only (optional), [n][n_moe_layers][top_k] experts to replay.
     """
 
     input_ids: list[int]
     labels: list[int]
+    advantages: list[float] | None = None
+    inference_logprobs: list[float] | None = None
+    routed_experts: list[list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def truncated(self, n: int) -> Example:
+        """The first `n` tokens of this example (every per-token field cut alike)."""
+        cut = lambda x: None if x is None else x[:n]
+        return Example(
+            self.input_ids[:n],
+            self.labels[:n],
+            cut(self.advantages),
+            cut(self.inference_logprobs),
+            cut(self.routed_experts),
+        )
 
 
 def load_jsonl(path: str | Path, tokenizer: Any = None, add_eos: bool = True) -> list[Example]:
@@ -115,11 +136,41 @@ def _pretokenized(record: Mapping) -> Example:
     if any(t < 0 for t in ids):
         raise InputError(f"'input_ids' has a negative id {min(ids)}")
     if record.get("labels") is None:
-        return Example(list(ids), list(ids))
-    labels = _int_list(record["labels"], "labels")
-    if len(labels) != len(ids):
-        raise InputError(f"'labels' has {len(labels)} entries, 'input_ids' has {len(ids)}")
-    return Example(list(ids), list(labels))
+        labels = list(ids)
+    else:
+        labels = _int_list(record["labels"], "labels")
+        if len(labels) != len(ids):
+            raise InputError(f"'labels' has {len(labels)} entries, 'input_ids' has {len(ids)}")
+    if not {"advantages", "inference_logprobs", "routed_experts"} & set(record):
+        return Example(list(ids), list(labels))
+    return Example(list(ids), list(labels), *_rl_fields(record, len(ids)))
+
+
+def _float_list(value: Any, name: str, n: int) -> list[float]:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return [float(value)] * n
+    if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        raise InputError(f"{name!r} must be a number or a list of numbers, got {str(value)[:80]}")
+    if len(value) != n:
+        raise InputError(f"{name!r} has {len(value)} entries, 'input_ids' has {n}")
+    return [float(v) for v in value]
+
+
+def _rl_fields(record: Mapping, n: int) -> tuple[list[float], list[float], list | None]:
+    for key in ("advantages", "inference_logprobs"):
+        if key not in record:
+            raise InputError(f"RL record needs {key!r} (it has {sorted(record)})")
+    advantages = _float_list(record["advantages"], "advantages", n)
+    if not isinstance(record["inference_logprobs"], list):
+        raise InputError("'inference_logprobs' must be a list with one log-probability per token")
+    logprobs = _float_list(record["inference_logprobs"], "inference_logprobs", n)
+    routed = record.get("routed_experts")
+    if routed is not None:
+        ok = isinstance(routed, list) and len(routed) == n
+        ok = ok and all(isinstance(t, list) and all(isinstance(e, list) for e in t) for t in routed)
+        if not ok:
+            raise InputError(f"'routed_experts' must be [{n} tokens][moe layers][top_k] integers")
+    return advantages, logprobs, routed
 
 
 def _need(tokenizer: Any, method: str, kind: str) -> None:

@@ -140,7 +140,7 @@ def fit_to_budget(examples: Sequence[Example], token_budget: int, truncate: bool
                 raise InputError(
                     f"example {i} has {len(ex)} tokens > token_budget={token_budget} (pass truncate=True to cut it)"
                 )
-            ex, cut = Example(ex.input_ids[:token_budget], ex.labels[:token_budget]), cut + 1
+            ex, cut = ex.truncated(token_budget), cut + 1
         out.append(ex)
     if cut:
         warnings.warn(f"truncated {cut} example(s) to token_budget={token_budget} tokens", stacklevel=2)
@@ -148,8 +148,26 @@ def fit_to_budget(examples: Sequence[Example], token_budget: int, truncate: bool
 
 
 def collate(examples: Sequence[Example]) -> PackedBatch:
-    """Pack examples into one `PackedBatch` (flat ids/labels, int32 cu_seqlens, positions restarting at 0)."""
-    return PackedBatch.from_sequences([ex.input_ids for ex in examples], [ex.labels for ex in examples])
+    """Pack examples into one `PackedBatch` (flat ids/labels, int32 cu_seqlens, positions restarting at 0).
+
+    RL fields (advantages, inference log-probs, routed experts) are concatenated when every example has them.
+    """
+    batch = PackedBatch.from_sequences([ex.input_ids for ex in examples], [ex.labels for ex in examples])
+    for name, dtype in (("advantages", torch.float32), ("inference_logprobs", torch.float32)):
+        values = [getattr(ex, name) for ex in examples]
+        if all(v is not None for v in values):
+            setattr(batch, name, torch.tensor([x for v in values for x in v], dtype=dtype))
+        elif any(v is not None for v in values):
+            raise InputError(f"a micro-batch mixes examples with and without {name!r}")
+    routed = [ex.routed_experts for ex in examples]
+    if all(r is not None for r in routed):
+        try:
+            batch.routed_experts = torch.tensor([t for r in routed for t in r], dtype=torch.int64)
+        except (ValueError, TypeError):
+            raise InputError("routed_experts rows must all be [n_moe_layers][top_k]") from None
+    elif any(r is not None for r in routed):
+        raise InputError("a micro-batch mixes examples with and without 'routed_experts'")
+    return batch
 
 
 def pack(
