@@ -207,7 +207,8 @@ class Engine:
                 to_sample.append(req)
         if to_sample:
             finished += self._sample(logits[rows], to_sample)
-        self.stats.step(len(ids), time.perf_counter() - t0, len(to_sample))
+        prefill = sum(n for req, n in plan if req.num_cached <= len(req.prompt_ids))
+        self.stats.step(prefill, time.perf_counter() - t0, len(to_sample))
         return finished
 
     def _take_incoming(self) -> list[Request]:
@@ -332,11 +333,11 @@ class EngineStats:
         self.tpot: deque[float] = deque(maxlen=window)
         self.started = time.perf_counter()
 
-    def step(self, tokens: int, seconds: float, sampled: int) -> None:
+    def step(self, prompt_tokens: int, seconds: float, sampled: int) -> None:
         self.steps += 1
         self.step_seconds += seconds
         self.generated_tokens += sampled
-        self.prompt_tokens += tokens - sampled
+        self.prompt_tokens += prompt_tokens
 
     def finish(self, req: Request) -> None:
         self.finished += 1
