@@ -97,7 +97,10 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> Fa
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", param=where or None)
+        msg = first.get("msg", "malformed body")
+        return _error(
+            400, f"invalid request: {where}: {msg}" if where else f"invalid request: {msg}", param=where or None
+        )
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
