@@ -214,7 +214,12 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_flops_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="PATH", help="config.json or a checkpoint dir (default: the tiny model)")
+    p.add_argument(
+        "--config",
+        "--model",
+        metavar="PATH",
+        help="config.json, a checkpoint dir, or a run config .toml (its [model]) (default: the tiny model)",
+    )
     p.add_argument(
         "--seq-lens",
         default="4096,512,1",
@@ -226,7 +231,13 @@ def _add_flops_args(p: argparse.ArgumentParser) -> None:
 def run_flops(args: argparse.Namespace) -> None:
     from flashnext.flops import count_flops, measure_flops_on_meta
 
-    cfg = load_config(args.config).text if args.config else tiny_config()
+    if args.config and args.config.endswith(".toml"):
+        from flashnext.train.config import load_run_config
+        from flashnext.train.trainer import model_text_config
+
+        cfg = model_text_config(load_run_config(args.config))
+    else:
+        cfg = load_config(args.config).text if args.config else tiny_config()
     try:
         lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
     except ValueError:

@@ -15,8 +15,10 @@ from flashnext.train.optim import (
     MUON,
     MUON_EXPERTS,
     ExpertMuon,
+    Muon,
     OptimConfig,
     Schedulers,
+    batched_newton_schulz,
     build_optimizer,
     clip_grad_norm,
     lr_lambda,
@@ -103,15 +105,15 @@ def test_one_step_moves_trainable_and_keeps_indexer(model):
     assert all(report[n] != FROZEN for n in changed), "the frozen indexer moved"
 
 
-def test_expert_update_depends_only_on_its_own_gradient():
+@pytest.mark.parametrize("E,m,n", [(3, 6, 4), (4, 8, 24)])
+def test_expert_update_depends_only_on_its_own_gradient(E, m, n):
     torch.manual_seed(0)
-    E, m, n = 3, 6, 4
     init = torch.randn(E, m, n)
     grads = [torch.randn(E, m, n) for _ in range(2)]
 
     def run(grad_seq):
         p = torch.nn.Parameter(init.clone())
-        opt = ExpertMuon([p], lr=0.02, weight_decay=0.1, momentum=0.9)
+        opt = ExpertMuon([p], lr=0.02, weight_decay=0.1, momentum=0.9, ns_dtype=torch.bfloat16)
         for grad in grad_seq:
             p.grad = grad.clone()
             opt.step()
@@ -125,7 +127,7 @@ def test_expert_update_depends_only_on_its_own_gradient():
     assert torch.equal(base[0], other[0]) and torch.equal(base[2], other[2])
     assert not torch.equal(base[1], other[1])
 
-    # Each slice moves exactly as torch's Muon moves a 2-D parameter holding that expert alone.
+    # Each slice moves exactly as torch's Muon (bf16 Newton-Schulz) moves a 2-D parameter holding that expert alone.
     for e in range(E):
         p = torch.nn.Parameter(init[e].clone())
         opt = torch.optim.Muon([p], lr=0.02, weight_decay=0.1, momentum=0.9)
@@ -133,6 +135,46 @@ def test_expert_update_depends_only_on_its_own_gradient():
             p.grad = grad[e].clone()
             opt.step()
         assert torch.equal(p.detach(), base[e]), e
+
+
+def test_batched_muon_equals_torch_muon_on_mixed_shapes():
+    """Matrices of equal shape are orthogonalised together; each still moves exactly as under torch.optim.Muon."""
+    torch.manual_seed(1)
+    shapes = [(6, 4), (6, 4), (4, 9), (6, 4), (9, 4)]
+    init = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+
+    def run(make):
+        params = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = make(params)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in params]
+
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    ours = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
+    theirs = run(lambda ps: torch.optim.Muon(ps, **kw))
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    # fp32 Newton-Schulz (the CPU default): the same iteration, so it differs from bf16 only by bf16 rounding
+    fp32 = run(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))
+    for a, b, w in zip(fp32, theirs, init, strict=True):
+        assert not torch.equal(a, b)
+        torch.testing.assert_close(a - w, b - w, rtol=0.05, atol=3 * 0.02 * 0.02)
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time(model):
+    torch.manual_seed(2)
+    for m, n in [(5, 7), (7, 5)]:
+        g = torch.randn(4, m, n)
+        batched = batched_newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+        for i in range(4):
+            one = batched_newton_schulz(g[i : i + 1], (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+            torch.testing.assert_close(batched[i], one[0], rtol=1e-5, atol=1e-6)
+    optimizers, _ = build_optimizer(model, OptimConfig())
+    assert optimizers["muon"].param_groups[0]["ns_dtype"] == torch.float32  # auto: fp32 off CUDA
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])

@@ -125,9 +125,11 @@ def save_pretrained(
     files = _shard(entries, max_shard_bytes)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    names = [SINGLE_FILE] if len(files) == 1 else [
-        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))
-    ]
+    names = (
+        [SINGLE_FILE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     for name, group in zip(names, files, strict=True):
         tensors = {k: t if t.is_contiguous() else t.contiguous() for k, t in group}
         save_file(tensors, directory / name, metadata={"format": "pt"})

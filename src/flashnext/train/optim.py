@@ -2,7 +2,8 @@
 
 Parameter groups (by name and shape, see `classify`):
 - `muon`: every 2-D weight inside the decoder (attention, GDN and shared-expert projections, router, PLE
-  projections, hyper-connection mixers) -> `torch.optim.Muon`.
+  projections, hyper-connection mixers) -> `Muon`: torch's Muon update (bit-identical to `torch.optim.Muon` with
+  bf16 Newton–Schulz), issued as one batched iteration per matrix shape.
 - `muon_experts`: the stacked expert weights `mlp.experts.gate_up_proj [E, 2I, D]` / `down_proj [E, D, I]` ->
   `ExpertMuon`, which orthogonalises each expert's `[m, n]` slice on its own (one expert's update never depends
   on another expert's gradient, as if each expert were its own `nn.Linear`).
@@ -26,7 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
-from torch.optim._muon import muon as muon_functional  # torch's Muon update, applied to expert slices
+from torch.optim._muon import _adjust_lr  # torch's Muon lr-by-shape rule, shared with its 2-D updates
 
 from flashnext.errors import ConfigError
 
@@ -52,6 +53,9 @@ class OptimConfig(BaseModel):
     """AdamW epsilon."""
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     """Muon momentum (Nesterov)."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of Muon's Newton–Schulz iteration: `bfloat16` is torch's (bit-identical to `torch.optim.Muon`);
+    `float32` suits CPUs without native bf16 matmuls; `auto` picks bf16 on CUDA and fp32 elsewhere."""
     muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """Muon's per-shape lr scaling: `original` sqrt(max(1, rows/cols)), or `match_rms_adamw` 0.2 sqrt(max dim)."""
     max_grad_norm: float = Field(1.0, ge=0)
@@ -75,12 +79,17 @@ class OptimConfig(BaseModel):
         return self
 
 
-class ExpertMuon(torch.optim.Optimizer):
-    """Muon for stacked expert weights `[E, m, n]`: each expert's `[m, n]` slice is its own Muon matrix.
+class Muon(torch.optim.Optimizer):
+    """torch's Muon update for 2-D matrices and for stacked expert weights `[E, m, n]` (each slice its own matrix).
 
-    The momentum buffer is elementwise, and the Newton–Schulz orthogonalisation, lr shape adjustment and decay
-    are torch's own Muon update (`torch.optim._muon.muon`) applied to the E slice views, so slice e's update
-    equals that of `torch.optim.Muon` on a 2-D parameter holding expert e alone.
+    Per parameter: Nesterov momentum (`buf.lerp_(grad, 1 - momentum)`, update `grad.lerp(buf, momentum)`), then
+    the quintic Newton–Schulz orthogonalisation, torch's lr-by-shape rule and decoupled weight decay — exactly
+    `torch.optim.Muon`'s step. What differs is only how the work is issued: every matrix of the same `[m, n]`
+    shape in a param group (all E slices of an expert weight, all layers' `q_proj`s, ...) is orthogonalised in one
+    batched iteration (`batched_newton_schulz`), so a step issues a few batched matmuls per shape instead of a few
+    per matrix. With `ns_dtype=torch.bfloat16` (torch's choice) the result is bit-identical to `torch.optim.Muon`
+    (held by `tests/train/test_optim.py`); `torch.float32` runs the same iteration in fp32, for CPUs, where bf16
+    matmuls are emulated and several times slower than fp32 ones.
     """
 
     def __init__(
@@ -94,6 +103,7 @@ class ExpertMuon(torch.optim.Optimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         defaults = dict(
             lr=lr,
@@ -104,48 +114,78 @@ class ExpertMuon(torch.optim.Optimizer):
             eps=eps,
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 3:
-                    raise ConfigError(f"ExpertMuon takes stacked [E, m, n] weights, got shape {tuple(p.shape)}")
+                if p.ndim not in (2, 3):
+                    raise ConfigError(f"Muon takes 2-D or stacked 3-D weights, got shape {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every expert slice that has a gradient."""
+        """One update of every parameter (every expert slice) that has a gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, bufs = [], [], []
+            by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                params.extend(p.unbind(0))  # views: in-place updates land in p
-                grads.extend(p.grad.unbind(0))
-                bufs.extend(state["momentum_buffer"].unbind(0))
-            if not params:
-                continue
-            muon_functional(
-                params,
-                grads,
-                bufs,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_coefficients=group["ns_coefficients"],
-                eps=group["eps"],
-                ns_steps=group["ns_steps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                has_complex=False,
-            )
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                by_shape.setdefault(tuple(p.shape[-2:]), []).append((p, update.reshape(-1, *p.shape[-2:])))
+            for (m, n), members in by_shape.items():
+                stacked = torch.cat([u for _, u in members]) if len(members) > 1 else members[0][1]
+                ortho = batched_newton_schulz(
+                    stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+                )
+                lr = group["lr"]
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size((m, n)))
+                for (p, _), o in zip(members, ortho.split([u.shape[0] for _, u in members]), strict=True):
+                    p.mul_(1 - lr * group["weight_decay"])
+                    p.add_(o.view(p.shape), alpha=-adjusted)
         return loss
+
+
+class ExpertMuon(Muon):
+    """`Muon` restricted to stacked expert weights `[E, m, n]`: each expert's `[m, n]` slice is its own matrix, so
+    one expert's update never depends on another expert's gradient."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 3:
+                    raise ConfigError(f"ExpertMuon takes stacked [E, m, n] weights, got shape {tuple(p.shape)}")
+
+
+def batched_newton_schulz(
+    grad: torch.Tensor,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """torch's Muon orthogonalisation (`torch.optim._muon._zeropower_via_newtonschulz`) of every `[m, n]` slice of
+    `grad [B, m, n]` at once: the same quintic iteration in `dtype`, with batched matmuls."""
+    a, b, c = ns_coefficients
+    x = grad.to(dtype)
+    tall = grad.size(-2) > grad.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.flatten(1).norm(dim=1).clamp(min=eps)[:, None, None]  # each slice's spectral norm <= 1
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
 
 
 def classify(name: str, p: torch.Tensor) -> str:
@@ -185,7 +225,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
             p.requires_grad_(False)
         elif p.requires_grad:
             members[group].append(p)
+    ns_dtype = cfg.muon_ns_dtype
+    if ns_dtype == "auto":
+        on_cuda = any(p.is_cuda for p in model.parameters())
+        ns_dtype = "bfloat16" if on_cuda else "float32"
     muon_kwargs = dict(
+        ns_dtype=getattr(torch, ns_dtype),
         lr=cfg.muon_lr,
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,
@@ -194,7 +239,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
     )
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if members[MUON]:
-        optimizers[MUON] = torch.optim.Muon(members[MUON], **muon_kwargs)
+        optimizers[MUON] = Muon(members[MUON], **muon_kwargs)
     if members[MUON_EXPERTS]:
         optimizers[MUON_EXPERTS] = ExpertMuon(members[MUON_EXPERTS], **muon_kwargs)
     adamw_groups = [

@@ -245,6 +245,7 @@ class Trainer:
             loss_sum += loss.detach().double().cpu()
             for k, v in metrics.items():  # micro-batch means over its loss tokens -> weighted sums
                 rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
+        t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
         grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)
         for opt in self.optimizers.values():
@@ -270,6 +271,8 @@ class Trainer:
             "loss_tokens": int(num_loss_tokens),
             "tokens_seen": self.tokens_seen,
             "seconds": seconds,
+            "seconds_fwd_bwd": t_backward - t0,
+            "seconds_optim": time.perf_counter() - t_backward,
             "tokens_per_s": tokens / seconds,
             "model_flops_per_s": flops / seconds,
         }
