@@ -33,7 +33,7 @@ class StepBatch:
         slots: int64 [N] cache slot of every entry (padding entries point at the scratch slot).
         cached: int64 [N] tokens already cached per entry; `cached_host` the same as a host list.
         live: bool [N], entries whose state is written back (a real slot and at least one token);
-            `live_host` the same as a host list.
+            `live_host` the same as a host list; `live_idx` int64 [n_live] their indices, `live_slots` their slots.
         tok_slot: int64 [T] slot of every token.
         new_blocks: QSA blocks completed by this step's live entries, `(slot [B], block [B], cos [B, R],
             sin [B, R])` rotated at each block's first position (set by the model, shared by its QSA layers).
@@ -46,6 +46,8 @@ class StepBatch:
     cached_host: list[int]
     live: torch.Tensor
     live_host: list[bool]
+    live_idx: torch.Tensor
+    live_slots: torch.Tensor
     tok_slot: torch.Tensor
     new_blocks: tuple | None = None
     max_visible_blocks: int = 0
@@ -119,9 +121,9 @@ class StepBatch:
         W = buf.shape[1]
         if W == 0 or not any(self.live_host):
             return
-        tail = self.extended(W)[3]
-        live = self.live
-        buf.index_copy_(0, self.slots[live], x_ext[tail[live]].to(buf.dtype))
+        rows = self.extended(W)[3].index_select(0, self.live_idx).flatten()
+        n = self.live_idx.shape[0]
+        buf.index_copy_(0, self.live_slots, x_ext.index_select(0, rows).view(n, W, *x_ext.shape[1:]).to(buf.dtype))
 
 
 def make_step(
@@ -142,6 +144,7 @@ def make_step(
     seg = make_segments(cu, T, positions, device=device)
     live_host = [s != scratch_slot and n > 0 for s, n in zip(slots, lengths, strict=True)]
     slots_t = torch.tensor(slots, dtype=torch.long)
+    live_idx = torch.tensor([i for i, live in enumerate(live_host) if live], dtype=torch.long)
     return StepBatch(
         seg=seg,
         slots=slots_t.to(device),
@@ -149,6 +152,8 @@ def make_step(
         cached_host=list(cached),
         live=torch.tensor(live_host, dtype=torch.bool).to(device),
         live_host=live_host,
+        live_idx=live_idx.to(device),
+        live_slots=slots_t[live_idx].to(device),
         tok_slot=slots_t[seq_idx].to(device),
     )
 

@@ -90,5 +90,5 @@ class GatedDeltaNet(nn.Module):
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, step.seg.cu_host, initial_state=state)
         step.write_window(cache.conv, qkv_in)
         if any(step.live_host):
-            cache.state.index_copy_(0, step.slots[step.live], final[step.live])
+            cache.state.index_copy_(0, step.live_slots, final.index_select(0, step.live_idx))
         return self.output(o, z)
