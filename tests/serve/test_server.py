@@ -91,7 +91,9 @@ def test_chat_and_streaming(server, client):
     assert text == full.choices[0].message.content
     assert reasons[-1] in ("stop", "length")
     stream = client.completions.create(model=name, prompt="Hello world", max_tokens=6, temperature=0, stream=True)
-    streamed = "".join(c.choices[0].text for c in stream)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == 6
     assert streamed == client.completions.create(model=name, prompt="Hello world", max_tokens=6, temperature=0)\
         .choices[0].text  # fmt: skip
 

@@ -316,8 +316,10 @@ class _Formatter:
 
     def delta(self, text: str, lo: int, hi: int, reason: str | None) -> dict:
         reason = "stop" if reason == "abort" else reason
-        lp = self._logprobs(lo, hi)
-        return self.chunk({"content": text} if self.chat else text, reason, lp)
+        out = self.chunk({"content": text} if self.chat else text, reason, self._logprobs(lo, hi))
+        if not self.chat:
+            out["choices"][0]["token_ids"] = list(self.req.output_ids[lo:hi])  # extension: ids of this chunk
+        return out
 
 
 def prometheus_text(engine: Engine, started: float) -> str:
