@@ -9,6 +9,10 @@ Subcommands:
     train: `flashnext train --config run.toml [--section.field=value ...]` (see `flashnext.train.trainer`).
 
     convert: a training checkpoint -> the official Hugging Face layout.
+
+    serve: OpenAI-compatible HTTP server (`flashnext.serve.server`) for a checkpoint or the tiny default.
+
+    generate: one-off generation from a prompt (text or `--ids`), printing the completion.
 """
 
 from __future__ import annotations
@@ -260,10 +264,89 @@ def run_convert(args: argparse.Namespace) -> None:
     print(f"wrote {out} (official layout; load with flashnext.from_pretrained or transformers)")
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint dir (default: the tiny model, seeded random weights)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default float32)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
+    p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+
+
+def _build_engine(args: argparse.Namespace):
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.loading import load_for_serving
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, name = load_for_serving(args.model, _DTYPES[args.dtype], args.seed)
+    engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens)
+    return engine, name
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from flashnext.serve.server import build_app
+
+    engine, name = _build_engine(args)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (max_slots={engine.cache.max_slots})", flush=True)
+    uvicorn.run(build_app(engine, name, args.api_key), host=args.host, port=args.port, log_level="warning")
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--prompt", default="Hello", help="prompt text (default 'Hello')")
+    p.add_argument("--ids", default=None, help="comma-separated prompt token ids instead of --prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of the sampler")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from flashnext.serve.sampling import SamplingParams
+
+    engine, _ = _build_engine(args)
+    tok = engine.tokenizer
+    if args.ids is not None:
+        prompt = [int(x) for x in args.ids.split(",") if x.strip()]
+    elif args.chat:
+        if tok is None:
+            raise FlashNextError("--chat needs a tokenizer in the checkpoint")
+        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        prompt = args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sample_seed,
+    )  # fmt: skip
+    start = time.perf_counter()
+    out = engine.generate([prompt], params)[0]
+    seconds = time.perf_counter() - start
+    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    print(
+        f"# {len(out.token_ids)} tokens in {seconds:.2f}s, finish_reason={out.finish_reason}, ids={out.token_ids}",
+        file=sys.stderr,
+    )
+
+
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
     "demo": ("build, save, reload and run the embedded tiny model", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
     "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
+    "serve": ("OpenAI-compatible HTTP server (default: the tiny model)", _add_serve_args, run_serve),
+    "generate": ("generate from one prompt (default: the tiny model)", _add_generate_args, run_generate),
 }
 
 

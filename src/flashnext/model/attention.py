@@ -10,9 +10,10 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.cached import StepBatch
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
-from flashnext.ops import qsa
+from flashnext.ops import qsa, qsa_cached
 
 
 class QSAIndexer(nn.Module):
@@ -44,6 +45,30 @@ class QSAIndexer(nn.Module):
         keys = apply_rotary(keys.unsqueeze(1), cos[starts], sin[starts]).squeeze(1)
         return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
 
+    @torch.no_grad()
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
+        """Serving: store raw keys, pool blocks that complete in this step (once), select per query.
+
+        Returns (blocks [T, kb], ok [T, kb]): block indices within each query's slot.
+        """
+        T = x.shape[0]
+        qk = self.index_qk_proj(x)
+        q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
+        raw_k = qk[:, self.n_heads * self.head_dim :]
+        q = apply_rotary(self.q_layernorm(q), cos, sin)
+        flat = step.tok_slot * cache.raw_k.shape[1] + step.seg.position_ids
+        cache.raw_k.view(-1, self.head_dim).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
+        blk_slot, blk_idx, blk_cos, blk_sin = step.new_blocks
+        if blk_idx.numel():
+            S, Lc, Di = cache.raw_k.shape
+            pooled = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
+            keys = self.k_layernorm(pooled.float().mean(1).to(raw_k.dtype))
+            keys = apply_rotary(keys.unsqueeze(1), blk_cos, blk_sin).squeeze(1)
+            cache.block_k[blk_slot, blk_idx] = keys.to(cache.block_k.dtype)
+        return qsa_cached.select_blocks_cached(
+            q, cache.block_k, step.tok_slot, step.seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk
+        )
+
 
 class Attention(nn.Module):
     """Output-gated GQA with per-head q/k RMSNorm and partial RoPE, over QSA-selected tokens."""
@@ -74,4 +99,16 @@ class Attention(nn.Module):
         sel, ok = self.indexer(x, cos, sin, seg)
         q, k, v, gate = self.project(x, cos, sin)
         o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, self.indexer.ratio)
+        return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
+        """Serving: write this step's keys/values into `cache` (a `QSACache`), attend over the cached selection."""
+        blocks, ok = self.indexer.forward_cached(x, cos, sin, step, cache)
+        q, k, v, gate = self.project(x, cos, sin)
+        flat = step.tok_slot * cache.k.shape[1] + step.seg.position_ids
+        cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))
+        cache.v.view(-1, self.hkv, self.d).index_copy_(0, flat, v.to(cache.v.dtype))
+        o = qsa_cached.sparse_attention_cached(
+            q, cache.k, cache.v, step.tok_slot, step.seg.position_ids, blocks, ok, self.scale, self.indexer.ratio
+        )
         return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))

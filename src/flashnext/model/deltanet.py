@@ -11,9 +11,11 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.cached import StepBatch
 from flashnext.model.norm import GatedRMSNorm
 from flashnext.ops.conv import causal_conv1d_varlen
 from flashnext.ops.deltanet import chunk_gated_delta_rule
+from flashnext.ops.deltanet_step import gated_delta_step
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,9 +47,12 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: torch.Tensor, seg: Segments):
         """Everything before the recurrence: returns q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], z."""
-        T = x.shape[0]
         qkv = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), seg.pos_in_seq)
-        qkv = F.silu(qkv).to(x.dtype)
+        return self._heads(x, F.silu(qkv).to(x.dtype))
+
+    def _heads(self, x: torch.Tensor, qkv: torch.Tensor):
+        """Split the conv-mixed `qkv` [T, conv_dim] into heads and add the gates of `x` [T, D]."""
+        T = x.shape[0]
         kd = self.hk * self.dk
         q, k, v = torch.split(qkv, [kd, kd, self.hv * self.dv], dim=-1)
         q, k = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk)
@@ -67,4 +72,23 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
         q, k, v, g, beta, z = self.project(x, seg)
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, seg.cu_host)
+        return self.output(o, z)
+
+    def forward_cached(self, x: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
+        """Serving: continue each entry's conv window and recurrent state from `cache` (a `GDNCache`).
+
+        Decode steps (one token per entry) take the batched single-token recurrence; prefill chunks the chunked
+        rule with the cached state as initial state. Live entries' windows and states are written back.
+        """
+        qkv_in, pos_ext = step.with_history(self.in_proj_qkv(x), cache.conv.index_select(0, step.slots))
+        qkv = step.conv(qkv_in, pos_ext, self.conv1d.weight.squeeze(1), cache.width)
+        q, k, v, g, beta, z = self._heads(x, F.silu(qkv).to(x.dtype))
+        state = cache.state.index_select(0, step.slots)
+        if step.is_decode:
+            o, final = gated_delta_step(q, k, v, g, beta, state)
+        else:
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, step.seg.cu_host, initial_state=state)
+        step.write_window(cache.conv, qkv_in)
+        if any(step.live_host):
+            cache.state.index_copy_(0, step.live_slots, final.index_select(0, step.live_idx))
         return self.output(o, z)

@@ -8,6 +8,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import LINEAR, TextConfig
 from flashnext.model.attention import Attention
+from flashnext.model.cached import StepBatch
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual, inject
 from flashnext.model.moe import SparseMoE
@@ -49,3 +50,24 @@ class DecoderLayer(nn.Module):
         x, w = self.mlp_hyper_connection(residual)
         x, experts = self.mlp(x, replay)
         return inject(residual, x, w), experts
+
+    def forward_cached(
+        self,
+        residual: torch.Tensor,
+        input_ids: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        step: StepBatch,
+        cache,
+    ) -> torch.Tensor:
+        """Serving: as `forward`, with the stateful mixers continuing from `cache` (a `LayerCache`)."""
+        if self.ple is not None:
+            residual = residual + self.ple.forward_cached(residual, input_ids, step, cache.ple)
+        x, w = self.attn_hyper_connection(residual)
+        if self.layer_type == LINEAR:
+            x = self.linear_attn.forward_cached(x, step, cache.gdn)
+        else:
+            x = self.self_attn.forward_cached(x, *rope, step, cache.qsa)
+        residual = inject(residual, x, w)
+        x, w = self.mlp_hyper_connection(residual)
+        x, _ = self.mlp(x)
+        return inject(residual, x, w)

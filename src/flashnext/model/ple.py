@@ -13,6 +13,7 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.cached import StepBatch
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import RMSNorm
 from flashnext.ops.conv import causal_conv1d_varlen
@@ -39,16 +40,34 @@ class PLELayer(nn.Module):
             hc * D, hc * D, kernel_size=cfg.ple_conv_kernel_size, groups=hc * D, dilation=self.dilation, bias=False
         )
 
-    def forward(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
-        """residual: [T, hc*D]; input_ids: int [T] -> [T, hc*D]."""
-        pos = seg.pos_in_seq
-        emb = self.ple_embedding(input_ids, pos)  # [T, E]
+    def _gated(self, residual: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """n-gram values [T, E] gated into each stream by its agreement with the residual: -> [T, hc*D]."""
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
         value = self.value_proj(emb)
         query = self.norm_query(residual).unflatten(-1, (self.hc, self.hidden))
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+        return gated
+
+    def forward(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """residual: [T, hc*D]; input_ids: int [T] -> [T, hc*D]."""
+        pos = seg.pos_in_seq
+        emb = self.ple_embedding(input_ids, pos)  # [T, E]
+        gated = self._gated(residual, emb)
         conv_in = self.norm_conv(gated)
         conv = causal_conv1d_varlen(conv_in, self.conv1d.weight.squeeze(1), pos, self.dilation)
+        return gated + F.silu(conv).to(gated.dtype)
+
+    def forward_cached(self, residual: torch.Tensor, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
+        """Serving: the n-gram context and the dilated conv continue from `cache` (a `PLECache`)."""
+        ids_ext, pos_ext = step.with_history(input_ids.long(), cache.ctx.index_select(0, step.slots))
+        real = step.extended(cache.ctx.shape[1])[1]
+        rows = self.ple_embedding.hash_ids(ids_ext, pos_ext)[real]
+        emb = self.ple_embedding.ngram_embedding(rows).flatten(-2)
+        gated = self._gated(residual, emb)
+        conv_in, conv_pos = step.with_history(self.norm_conv(gated), cache.conv.index_select(0, step.slots))
+        conv = step.conv(conv_in, conv_pos, self.conv1d.weight.squeeze(1), cache.conv.shape[1], self.dilation)
+        step.write_window(cache.ctx, ids_ext)
+        step.write_window(cache.conv, conv_in)
         return gated + F.silu(conv).to(gated.dtype)

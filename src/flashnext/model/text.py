@@ -14,6 +14,7 @@ from torch import nn
 from flashnext.batch import Segments, make_segments, next_token_targets, pad_back, unpad
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
+from flashnext.model.cached import StepBatch, plan_blocks
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
@@ -68,6 +69,17 @@ class FlashNextTextModel(nn.Module):
             routed.append(experts)
         return self.hyper_connection_mixer(residual), torch.stack(routed, dim=1)
 
+    def forward_cached(self, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
+        """Serving: input_ids int [T] continuing cached sequences (`step`, `cache`: a `StateCache`) -> [T, D]."""
+        x = self.embed_tokens(input_ids)
+        residual = x.repeat(1, self.config.hc_count)
+        rope = self.rotary(step.seg.position_ids, x.dtype)
+        if self.config.qsa_enabled:
+            plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            residual = layer.forward_cached(residual, input_ids, rope, step, layer_cache)
+        return self.hyper_connection_mixer(residual)
+
 
 class FlashNextForCausalLM(nn.Module):
     """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names."""
@@ -119,6 +131,24 @@ class FlashNextForCausalLM(nn.Module):
         if padded:
             logits = pad_back(logits, keep, tuple(input_ids.shape))
         return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
+
+    @torch.no_grad()
+    def forward_step(self, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
+        """One serving step over a flat stream of prefill chunks and decode tokens.
+
+        Args:
+            input_ids: int [T], the entries' new tokens back to back.
+            step: the entries' slots and cached lengths (`flashnext.model.cached.make_step`).
+            cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place.
+
+        Returns:
+            logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
+            order; padding and zero-length entries produce no row.
+        """
+        hidden = self.model.forward_cached(input_ids, step, cache)
+        last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
+        rows = torch.tensor(last, dtype=torch.long, device=hidden.device)
+        return self.lm_head(hidden.index_select(0, rows))
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.device.type == "meta" or ids.numel() == 0:

@@ -1,0 +1,201 @@
+"""flashnext's serving engine vs the transformers reference's `generate`: greedy generation tok/s, same run.
+
+Config: the ~31M-param config of `model_vs_reference.py` (hidden 256, 8 layers with 2 QSA, 16 experts top-4,
+PLE on 2 layers, budget 128 / compress 4, vocab 16384), fp32, CPU, 2 threads. The reference is built with every
+weight randomised and saved in the official layout; ours loads that checkpoint with `flashnext.from_pretrained`.
+
+Decode throughput: for batch b in 1, 4, 16, b prompts of 32 random tokens, 64 new tokens each, greedy, EOS off.
+Both sides do the same work (prefill of the prompts, then 64 tokens); tok/s = b * 64 / wall seconds. The
+reference runs `generate` on the [b, 32] batch (no padding: equal lengths); ours runs `Engine.generate` with b
+slots. Runs alternate ours/ref (median of `--repeats`), and the generated tokens are compared.
+
+HTTP load (unless `--no-http`): `flashnext serve`'s app on 127.0.0.1 (uvicorn in a thread), concurrency c in
+1, 4, 16, 64: c streaming /v1/completions clients (32-token prompts, 64 tokens) at once; prints output tok/s and
+the medians of time-to-first-token and time-per-output-token.
+
+OpenMP threads wait passively (`OMP_WAIT_POLICY=PASSIVE` unless set): on a shared box, spinning threads made
+every small op of both sides ~4x slower.
+
+Output:
+    batch=<b> ours=<tok/s> ref=<tok/s> ratio=<x>
+    http concurrency=<c> tok/s=<x> ttft_ms=<median> tpot_ms=<median>
+    batch16_ratio=<x>            (last line)
+
+    python benchmarks/serve_vs_reference.py
+    python benchmarks/serve_vs_reference.py --batches 1 4 --repeats 1 --no-http
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Passive OpenMP waiting (set before torch loads OpenMP): on a shared 2-core box, spinning worker threads lose
+# their time slices and every small op stalls (both sides ran ~4x slower here without it). Applies to both alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN = 32
+NEW_TOKENS = 64
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_generate(ref, prompts: torch.Tensor) -> list[list[int]]:
+    out = ref.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, prompts.shape[1] :].tolist()
+
+
+def ours_generate(model, prompts: torch.Tensor) -> list[list[int]]:
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    engine = Engine(model, max_slots=prompts.shape[0], max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts.tolist(), params)]
+
+
+def bench_decode(ours, ref, batches: list[int], repeats: int, vocab: int, seed: int) -> dict[int, float]:
+    gen = torch.Generator().manual_seed(seed)
+    ratios = {}
+    for b in batches:
+        prompts = torch.randint(0, vocab, (b, PROMPT_LEN), generator=gen)
+        times = {"ours": [], "ref": []}
+        outs = {}
+        fns = {"ours": lambda p=prompts: ours_generate(ours, p), "ref": lambda p=prompts: reference_generate(ref, p)}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - start)
+        t = {k: statistics.median(v) for k, v in times.items()}
+        same = sum(a == r for a, r in zip(outs["ours"], outs["ref"], strict=True))
+        ratios[b] = t["ref"] / t["ours"]
+        tokens = b * NEW_TOKENS
+        print(f"# batch={b} identical greedy sequences: {same}/{b}")
+        print(f"batch={b} ours={tokens / t['ours']:.1f} ref={tokens / t['ref']:.1f} ratio={ratios[b]:.2f}", flush=True)
+    return ratios
+
+
+def _serve_in_thread(app):
+    """uvicorn on a free 127.0.0.1 port in a daemon thread -> (base url, server)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
+async def _one_stream(client, url: str, prompt: list[int]) -> tuple[float, float, int, float]:
+    """(ttft, tpot, output tokens, end time) of one streaming completion."""
+    import json
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens + 1  # a chunk per token
+            last = time.perf_counter()
+            first = first or last
+    tpot = (last - first) / max(1, tokens - 1)
+    return first - start, tpot, tokens, last
+
+
+def http_load(model, concurrencies: list[int], vocab: int, seed: int) -> list[str]:
+    """Streaming /v1/completions at each concurrency; output tok/s, median TTFT and TPOT."""
+    import asyncio
+
+    import httpx
+
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.server import build_app
+
+    engine = Engine(model, None, max_slots=max(concurrencies), max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    base, server = _serve_in_thread(build_app(engine, "bench"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    lines = []
+
+    async def run(c: int):
+        prompts = torch.randint(0, vocab, (c, PROMPT_LEN), generator=gen).tolist()
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=c)) as client:
+            start = time.perf_counter()
+            res = await asyncio.gather(*(_one_stream(client, f"{base}/v1/completions", p) for p in prompts))
+        wall = max(r[3] for r in res) - start
+        toks = sum(r[2] for r in res)
+        ttft = statistics.median(r[0] for r in res) * 1000
+        tpot = statistics.median(r[1] for r in res) * 1000
+        return f"http concurrency={c} tok/s={toks / wall:.1f} ttft_ms={ttft:.1f} tpot_ms={tpot:.1f}"
+
+    for c in concurrencies:
+        lines.append(asyncio.run(run(c)))
+    server.should_exit = True
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median; default 3)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-http", action="store_true", help="skip the HTTP load run")
+    args = parser.parse_args(argv)
+
+    import flashnext
+
+    torch.set_num_threads(args.threads)
+    cfg = _load("model_vs_reference", HERE / "model_vs_reference.py").CONFIG
+    harness = _load("flashnext_reference_harness", HERE.parent / "tests" / "reference" / "conftest.py")
+    ref = harness.build_reference(dict(cfg), seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="flashnext-serve-bench-") as tmp:
+        ref.save_pretrained(tmp)
+        ours = flashnext.from_pretrained(tmp, dtype=torch.float32, device="cpu").eval()
+    n = sum(p.numel() for p in ours.parameters())
+    print(f"# params={n / 1e6:.2f}M fp32 threads={torch.get_num_threads()} prompt={PROMPT_LEN} new={NEW_TOKENS}")
+    ratios = bench_decode(ours, ref, args.batches, args.repeats, cfg["vocab_size"], args.seed)
+    if not args.no_http:
+        del ref
+        for line in http_load(ours, args.concurrency, cfg["vocab_size"], args.seed):
+            print(line, flush=True)
+    last = ratios.get(16)
+    print(f"batch16_ratio={last:.2f}" if last is not None else "batch16_ratio=nan")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Inputs of a serving step: a flat stream whose sequences continue per-slot cached state.
+
+A step's stream holds N entries (chunks of prompts, or one decode token each). Entry i belongs to cache slot
+`slots[i]` and continues a sequence of which `cached[i]` tokens are already in the cache, so its tokens sit at
+positions `cached[i] .. cached[i] + L_i - 1`. The model's layers read and write their per-slot state through the
+layer cache objects of `flashnext.serve.cache`; everything else is the training code on the flat stream.
+
+Padding: an entry whose slot is the cache's scratch slot (`live[i]` False) is computed but its state is never
+written back to a real slot and the caller drops its output; a zero-length entry has no tokens and writes nothing.
+
+Windowed mixers (GDN conv, PLE conv, n-gram context) run on an *extended* stream: each entry's W cached rows
+followed by its L new rows, so the causal conv of `ops.conv` sees the previous tokens exactly as in one pass.
+
+Legend: T tokens, N entries, W window rows, C channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashnext.batch import Segments, make_segments
+from flashnext.ops.conv import causal_conv1d_varlen
+
+
+@dataclass
+class StepBatch:
+    """Metadata of one serving step.
+
+    Attributes:
+        seg: segments of the step's stream; `position_ids` are the absolute positions `cached + offset`.
+        slots: int64 [N] cache slot of every entry (padding entries point at the scratch slot).
+        cached: int64 [N] tokens already cached per entry; `cached_host` the same as a host list.
+        live: bool [N], entries whose state is written back (a real slot and at least one token);
+            `live_host` the same as a host list; `live_idx` int64 [n_live] their indices, `live_slots` their slots.
+        tok_slot: int64 [T] slot of every token.
+        new_blocks: QSA blocks completed by this step's live entries, `(slot [B], block [B], cos [B, R],
+            sin [B, R])` rotated at each block's first position (set by the model, shared by its QSA layers).
+        max_visible_blocks: host int, the most complete QSA blocks any query of the step sees.
+    """
+
+    seg: Segments
+    slots: torch.Tensor
+    cached: torch.Tensor
+    cached_host: list[int]
+    live: torch.Tensor
+    live_host: list[bool]
+    live_idx: torch.Tensor
+    live_slots: torch.Tensor
+    tok_slot: torch.Tensor
+    new_blocks: tuple | None = None
+    max_visible_blocks: int = 0
+    _ext: dict = field(default_factory=dict)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every entry has exactly one token (the recurrent single-step paths apply)."""
+        return all(n == 1 for n in self.seg.lengths)
+
+    def extended(self, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Index maps of the stream extended by W history rows before every entry (memoised per W).
+
+        Returns:
+            pos_ext int64 [T + N*W] (offset within the extended entry), real int64 [T] (row of each token in
+            the extended stream), head int64 [N, W] (the entry's W history rows), tail int64 [N, W] (the entry's
+            last W extended rows: its next window).
+        """
+        if W not in self._ext:
+            lengths = self.seg.lengths
+            dev = self.seg.seq_idx.device
+            N = len(lengths)
+            ext_len = torch.tensor([n + W for n in lengths], dtype=torch.long)
+            ext_start = torch.cumsum(ext_len, 0) - ext_len
+            total = int(ext_len.sum())
+            seq = torch.repeat_interleave(torch.arange(N), ext_len, output_size=total)
+            pos_ext = torch.arange(total) - ext_start[seq]
+            real = self.seg.seq_idx.cpu() * W + torch.arange(self.seg.num_tokens) + W
+            head = ext_start[:, None] + torch.arange(W)
+            tail = (ext_start + ext_len - W)[:, None] + torch.arange(W)
+            self._ext[W] = tuple(t.to(dev) for t in (pos_ext, real, head, tail))
+        return self._ext[W]
+
+    def with_history(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put each entry's W cached rows before its new rows.
+
+        Args:
+            x: [T, *C] new rows; hist: [N, W, *C] cached rows of each entry's slot (zeros/EOS for a fresh one).
+
+        Returns:
+            x_ext [T + N*W, *C] and pos_ext [T + N*W].
+        """
+        N, W = hist.shape[:2]
+        pos_ext, real, head, _ = self.extended(W)
+        if self.is_decode:  # [hist, token] per entry is already the extended layout
+            return torch.cat([hist.to(x.dtype), x.unsqueeze(1)], dim=1).flatten(0, 1), pos_ext
+        x_ext = x.new_empty(x.shape[0] + N * W, *x.shape[1:])
+        x_ext.index_copy_(0, real, x)
+        x_ext.index_copy_(0, head.flatten(), hist.reshape(N * W, *x.shape[1:]).to(x.dtype))
+        return x_ext, pos_ext
+
+    def conv(self, x_ext: torch.Tensor, pos_ext: torch.Tensor, weight: torch.Tensor, W: int, dilation: int = 1):
+        """`ops.conv.causal_conv1d_varlen` over the extended stream, returned at the real rows: [T, C].
+
+        A decode step computes only each entry's last row, with the same taps in the same order.
+        """
+        if not self.is_decode:
+            return causal_conv1d_varlen(x_ext, weight, pos_ext, dilation)[self.extended(W)[1]]
+        K = weight.shape[-1]
+        out_dtype = weight.dtype
+        acc = torch.promote_types(out_dtype, torch.float32)
+        x3 = x_ext.to(out_dtype).to(acc).view(-1, W + 1, x_ext.shape[-1])
+        weight = weight.to(acc)
+        out = x3[:, W] * weight[:, K - 1]
+        for k in range(1, K):
+            out = out + x3[:, W - k * dilation] * weight[:, K - 1 - k]
+        return out.to(out_dtype)
+
+    def write_window(self, buf: torch.Tensor, x_ext: torch.Tensor) -> None:
+        """Store each live entry's last W extended rows as its slot's next window. buf: [S, W, *C]."""
+        W = buf.shape[1]
+        if W == 0 or not any(self.live_host):
+            return
+        rows = self.extended(W)[3].index_select(0, self.live_idx).flatten()
+        n = self.live_idx.shape[0]
+        buf.index_copy_(0, self.live_slots, x_ext.index_select(0, rows).view(n, W, *x_ext.shape[1:]).to(buf.dtype))
+
+
+def make_step(
+    cu_seqlens: list[int],
+    slots: list[int],
+    cached: list[int],
+    scratch_slot: int,
+    device: torch.device | str = "cpu",
+) -> StepBatch:
+    """Build a `StepBatch` from host lists (N entries; `slots[i] == scratch_slot` marks padding)."""
+    T = cu_seqlens[-1]
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    pos_in_seq = torch.arange(T) - torch.tensor(cu_seqlens[:-1], dtype=torch.long)[seq_idx]
+    cached_t = torch.tensor(cached, dtype=torch.long)
+    positions = (cached_t[seq_idx] + pos_in_seq).to(device)
+    seg = make_segments(cu, T, positions, device=device)
+    live_host = [s != scratch_slot and n > 0 for s, n in zip(slots, lengths, strict=True)]
+    slots_t = torch.tensor(slots, dtype=torch.long)
+    live_idx = torch.tensor([i for i, live in enumerate(live_host) if live], dtype=torch.long)
+    return StepBatch(
+        seg=seg,
+        slots=slots_t.to(device),
+        cached=cached_t.to(device),
+        cached_host=list(cached),
+        live=torch.tensor(live_host, dtype=torch.bool).to(device),
+        live_host=live_host,
+        live_idx=live_idx.to(device),
+        live_slots=slots_t[live_idx].to(device),
+        tok_slot=slots_t[seq_idx].to(device),
+    )
+
+
+def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
+    """Fill `step.new_blocks` and `step.max_visible_blocks` for QSA blocks of c = `ratio` tokens (host math)."""
+    slots, idx, most = [], [], 0
+    slot_host = step.slots.tolist()
+    for i, (n, cached) in enumerate(zip(step.seg.lengths, step.cached_host, strict=True)):
+        most = max(most, (cached + n) // ratio)
+        if step.live_host[i]:
+            done = range(cached // ratio, (cached + n) // ratio)
+            slots.extend([slot_host[i]] * len(done))
+            idx.extend(done)
+    dev = step.slots.device
+    idx_t = torch.tensor(idx, dtype=torch.long, device=dev)
+    cos, sin = rotary(idx_t * ratio, dtype)
+    step.new_blocks = (torch.tensor(slots, dtype=torch.long, device=dev), idx_t, cos, sin)
+    step.max_visible_blocks = most

@@ -1,0 +1,117 @@
+"""QSA against a per-slot cache: block selection and sparse attention for queries that continue cached sequences.
+
+The cache holds, per slot, every token's rotated key/value (`[S, Lc, Hkv, D]`, position p at row p) and every
+complete block's normalised, rotated mean indexer key (`[S, NBS, Di]`, written once when the block completes).
+Because rows are positions, block b of a slot is rows `b*c .. b*c+c-1`: one `c x Hkv x D` row of the cache viewed
+as `[S * NBS, c, Hkv, D]`, so a query gathers its selected blocks and its tail block as whole rows.
+
+Selection equals `ops.qsa` (and `ops.qsa_ref`): the query at position p sees blocks `0 .. (p+1)//c - 1` of its
+slot plus the tail `(p+1)//c * c .. p`; score = sum_h relu(q_h . key) / sqrt(Di); top `block_topk` blocks, ties
+to the higher score, then the later block (one integer-key `topk`).
+
+Legend: T queries, Tq queries in a chunk, S slots, NBS block rows per slot, NB visible blocks, kb selected blocks,
+Hi/Di indexer heads/dim, H/Hkv attention heads, G = H / Hkv, D head dim, c compress ratio.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCORE_BUDGET = 1 << 22  # elements of the gathered [Tq, NB, Di] block keys per chunk
+GATHER_BUDGET = 1 << 22  # elements of the gathered [Tq, n, Hkv, D] keys per chunk
+
+
+@torch.no_grad()
+def select_blocks_cached(
+    idx_q: torch.Tensor,
+    block_keys: torch.Tensor,
+    tok_slot: torch.Tensor,
+    tok_pos: torch.Tensor,
+    max_visible: int,
+    ratio: int,
+    block_topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top blocks of every query within its slot.
+
+    Args:
+        idx_q: [T, Hi, Di] normalised, rotated indexer queries; block_keys: [S, NBS, Di] (cache).
+        tok_slot, tok_pos: int64 [T] slot and absolute position of every query.
+        max_visible: host int, the most complete blocks any query of the step sees.
+
+    Returns:
+        blocks int64 [T, kb] block indices within the slot (0 where unused) and ok bool [T, kb].
+    """
+    T, Hi, Di = idx_q.shape
+    kb = min(block_topk, max_visible)
+    device = idx_q.device
+    if kb == 0 or T == 0:
+        return torch.zeros(T, 0, dtype=torch.long, device=device), torch.zeros(T, 0, dtype=torch.bool, device=device)
+    nvis = (tok_pos + 1) // ratio
+    b = torch.arange(max_visible, device=device)
+    step = max(1, SCORE_BUDGET // (max_visible * Di))
+    blocks, oks = [], []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        keys = block_keys[:, :max_visible].index_select(0, tok_slot[t0:t1])  # [Tq, NB, Di]
+        scores = torch.einsum("thd,tbd->thb", idx_q[t0:t1].float(), keys.float())
+        scores = scores.relu().sum(1) / math.sqrt(Di)
+        # The tie rule as an integer key (see ops.qsa): fp32 bits of a score >= 0, then the block index.
+        bits = (scores + 0.0).view(torch.int32).long()
+        key = torch.where(b[None, :] < nvis[t0:t1, None], (bits << 32) + b, -1)
+        vals, order = torch.topk(key, kb, dim=-1)
+        oks.append(vals >= 0)
+        blocks.append(torch.where(vals >= 0, order, 0))
+    return torch.cat(blocks), torch.cat(oks)
+
+
+def sparse_attention_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tok_slot: torch.Tensor,
+    tok_pos: torch.Tensor,
+    blocks: torch.Tensor,
+    ok: torch.Tensor,
+    scale: float,
+    ratio: int,
+) -> torch.Tensor:
+    """Softmax attention of each query over its selected blocks and its tail, read from the cache.
+
+    Args:
+        q: [T, H, D] rotated queries; k_cache, v_cache: [S, NBS * c, Hkv, D] (this step's keys already written).
+        tok_slot, tok_pos: int64 [T]; blocks, ok: [T, kb] from `select_blocks_cached`.
+
+    Returns:
+        [T, H, D] in q's dtype (softmax in fp32).
+    """
+    T, H, D = q.shape
+    S, Lc, Hkv, _ = k_cache.shape
+    c = ratio
+    NBS = Lc // c
+    G = H // Hkv
+    if T == 0:
+        return q.new_zeros(0, H, D)
+    k_rows = k_cache.view(S * NBS, c, Hkv, D)
+    v_rows = v_cache.view(S * NBS, c, Hkv, D)
+    tail_blk = (tok_pos + 1) // c
+    rows = tok_slot[:, None] * NBS + torch.cat([blocks, tail_blk[:, None]], dim=1)  # [T, nb]
+    nb = rows.shape[1]
+    j = torch.arange(c, device=q.device)
+    tail_ok = j[None, :] < ((tok_pos + 1) % c)[:, None]
+    mask = torch.cat([ok[:, :, None].expand(-1, -1, c).reshape(T, -1), tail_ok], dim=1)  # [T, nb * c]
+    step = max(1, GATHER_BUDGET // (nb * c * Hkv * D))
+    outs = []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        Tq = t1 - t0
+        idx = rows[t0:t1].flatten()
+        ks = k_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).permute(0, 2, 3, 1)  # [Tq, Hkv, D, n]
+        vs = v_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
+        qs = q[t0:t1].view(Tq, Hkv, G, D)
+        w = torch.matmul(qs, ks) * scale  # [Tq, Hkv, G, n]
+        w = w.masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.matmul(w, vs).reshape(Tq, H, D))
+    return torch.cat(outs)

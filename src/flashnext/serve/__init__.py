@@ -1,0 +1,1 @@
+"""Serving: per-slot state cache, continuous-batching engine, OpenAI-compatible HTTP server."""

@@ -1,0 +1,33 @@
+"""A small random model (every parameter perturbed, so PLE conv and norms matter) and step helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from flashnext.config import parse_config
+from flashnext.model.cached import make_step
+from flashnext.model.text import FlashNextForCausalLM
+
+
+def small_model(cfg_dict: dict, seed: int = 0) -> FlashNextForCausalLM:
+    model = FlashNextForCausalLM(parse_config(cfg_dict).text).eval()
+    model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
+
+
+def run_step(model, cache, entries: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    """entries: (slot, cached_len, new token ids) -> logits of the live entries' last tokens."""
+    cu = [0]
+    for _, _, ids in entries:
+        cu.append(cu[-1] + len(ids))
+    step = make_step(cu, [e[0] for e in entries], [e[1] for e in entries], cache.scratch_slot)
+    ids = torch.tensor([t for e in entries for t in e[2]], dtype=torch.long)
+    return model.forward_step(ids, step, cache)
+
+
+def slot_state(cache, slot: int) -> list[torch.Tensor]:
+    return [b[slot].clone() for b in cache.buffers()]

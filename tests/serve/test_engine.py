@@ -1,0 +1,76 @@
+"""Engine behaviour on the tiny default model (bundled tokenizer): stops, abort, seeds, top-k, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashnext.cli import main as cli_main
+from flashnext.errors import InputError
+from flashnext.serve.engine import Engine
+from flashnext.serve.loading import load_for_serving
+from flashnext.serve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(1)
+    return load_for_serving(None)
+
+
+@pytest.fixture
+def engine(loaded):
+    model, tok, _ = loaded
+    return Engine(model, tok, max_slots=4, max_model_len=64, max_num_batched_tokens=32)
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_stop_token_ids_and_strings(engine):
+    base = engine.generate(["The cat"], SamplingParams(max_tokens=12, **GREEDY))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = engine.generate(["The cat"], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    text = base.text
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    out = engine.generate(["The cat"], SamplingParams(max_tokens=12, stop=[needle], **GREEDY))[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(needle)]
+
+
+def test_seeded_sampling_independent_of_batch(engine):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    alone = engine.generate(["Hello"], params)[0].token_ids
+    others = SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)
+    batched = engine.generate(["Hi there friend", "Hello", "Bye"], [others, params, others])[1].token_ids
+    assert batched == alone
+    top1 = engine.generate(["Hello"], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3, ignore_eos=True))
+    assert top1[0].token_ids == engine.generate(["Hello"], SamplingParams(max_tokens=10, **GREEDY))[0].token_ids
+
+
+def test_abort_frees_slot(engine):
+    req = engine.add_request("Hello", SamplingParams(max_tokens=50, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert req.slot is not None and len(req.output_ids) > 0
+    engine.abort(req.request_id)
+    engine.step()
+    assert req.finish_reason == "abort" and req.slot is None
+    assert engine.cache.free_slots == engine.cache.max_slots and not engine.has_unfinished()
+
+
+def test_impossible_requests_rejected(engine):
+    with pytest.raises(InputError, match="max_tokens"):
+        engine.add_request("x", SamplingParams(max_tokens=0))
+    with pytest.raises(InputError, match="vocabulary"):
+        engine.add_request([1, 10**6])
+    with pytest.raises(InputError, match="max_model_len"):
+        engine.add_request([5] * 64)
+
+
+def test_generate_cli(capsys):
+    assert cli_main(["generate", "--ids", "5,6,7", "--max-tokens", "4", "--threads", "1"]) == 0
+    out = capsys.readouterr()
+    assert "4 tokens" in out.err and "finish_reason=length" in out.err

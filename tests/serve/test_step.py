@@ -1,0 +1,129 @@
+"""The serving step against the training forward: chunked prefill, decode, padding, slot reuse, fixed buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serve_helpers import run_step, slot_state, small_model
+
+from flashnext.serve.cache import StateCache
+
+
+@pytest.fixture
+def model(small_config):
+    return small_model(small_config)
+
+
+def _rand(n: int, seed: int, vocab: int = 64) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _feed(model, cache, slot: int, ids: list[int], chunks: list[int]) -> list[torch.Tensor]:
+    """Feed `ids` into `slot` in chunks of the given sizes; logits of each chunk's last token."""
+    out, done = [], 0
+    for n in chunks:
+        out.append(run_step(model, cache, [(slot, done, ids[done : done + n])])[0])
+        done += n
+    assert done == len(ids)
+    return out
+
+
+@pytest.mark.parametrize("chunks", [[37], [5, 11, 1, 20], [1] * 37], ids=["one-shot", "chunked", "decode"])
+def test_step_matches_full_forward(model, chunks):
+    """Every chunking gives the full forward's logits at each chunk end (QSA blocks, budget, PLE, GDN crossed)."""
+    ids = _rand(37, 1)
+    with torch.no_grad():
+        full = model(torch.tensor(ids)).logits
+    cache = StateCache(model.config, max_slots=2, max_model_len=64)
+    got = _feed(model, cache, cache.allocate(), ids, chunks)
+    ends = torch.tensor(chunks).cumsum(0) - 1
+    torch.testing.assert_close(torch.stack(got), full[ends], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot_state(model):
+    ids = _rand(30, 2)
+    a, b = (StateCache(model.config, max_slots=1, max_model_len=64) for _ in range(2))
+    la = _feed(model, a, a.allocate(), ids, [30])[-1]
+    lb = _feed(model, b, b.allocate(), ids, [7, 1, 13, 9])[-1]
+    torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+    for x, y in zip(slot_state(a, 0), slot_state(b, 0), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_equals_alone(model):
+    """Prefill chunks and decodes of several slots in one stream give each slot's own result."""
+    ids = [_rand(n, 10 + n) for n in (9, 17, 4)]
+    alone = []
+    for seq in ids:
+        cache = StateCache(model.config, max_slots=1, max_model_len=64)
+        alone.append(_feed(model, cache, cache.allocate(), seq, [len(seq) - 1, 1]))
+    cache = StateCache(model.config, max_slots=3, max_model_len=64)
+    slots = [cache.allocate() for _ in ids]
+    first = run_step(model, cache, [(s, 0, seq[:-1]) for s, seq in zip(slots, ids, strict=True)])
+    last = run_step(model, cache, [(s, len(seq) - 1, seq[-1:]) for s, seq in zip(slots, ids, strict=True)])
+    for i in range(3):
+        torch.testing.assert_close(first[i], alone[i][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last[i], alone[i][1], atol=1e-5, rtol=1e-5)
+
+
+def _three_slot_caches(model, n: int) -> list[StateCache]:
+    caches = [StateCache(model.config, max_slots=3, max_model_len=64) for _ in range(n)]
+    for cache in caches:
+        for s in range(3):
+            cache.allocate()
+            run_step(model, cache, [(s, 0, _rand(6 + s, 20 + s))])
+    return caches
+
+
+PLAIN = [(0, 6, [5]), (1, 7, _rand(4, 3))]
+
+
+def test_zero_length_entries_are_inert(model):
+    """Zero-length entries (even on slots that are in use) change no state and no output, bit for bit."""
+    a, b = _three_slot_caches(model, 2)
+    out_a = run_step(model, a, PLAIN)
+    out_b = run_step(model, b, [(2, 8, []), PLAIN[0], (2, 8, []), PLAIN[1], (0, 6, [])])
+    assert torch.equal(out_a, out_b)  # no rows for the zero-length entries
+    for x, y in zip(a.buffers(), b.buffers(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_padding_entries_are_inert(model):
+    """Scratch-slot padding entries produce no rows and write no request slot.
+
+    Slots outside the step stay bit-identical. The real entries' results match to float rounding only: padding
+    tokens change the row count of every GEMM, and CPU GEMM blocking (hence summation order) depends on it.
+    """
+    a, b = _three_slot_caches(model, 2)
+    out_a = run_step(model, a, PLAIN)
+    scratch = b.scratch_slot
+    out_b = run_step(model, b, [PLAIN[0], (scratch, 0, _rand(3, 4)), PLAIN[1], (scratch, 0, [9])])
+    assert out_b.shape == out_a.shape
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    for x, y in zip(a.buffers(), b.buffers(), strict=True):
+        assert torch.equal(x[2], y[2])  # slot 2 was not in the step
+        torch.testing.assert_close(x[:2], y[:2], atol=1e-5, rtol=1e-5)
+
+
+def test_slot_reuse_leaves_no_trace(model):
+    ids = _rand(21, 7)
+    fresh = StateCache(model.config, max_slots=2, max_model_len=64)
+    expected = _feed(model, fresh, fresh.allocate(), ids, [13, 8])
+    cache = StateCache(model.config, max_slots=2, max_model_len=64)
+    slot = cache.allocate()
+    _feed(model, cache, slot, _rand(40, 8), [40])
+    cache.release(slot)
+    assert cache.allocate() == slot
+    assert all(torch.equal(x, y) for x, y in zip(slot_state(cache, slot), slot_state(fresh, 1), strict=True))
+    got = _feed(model, cache, slot, ids, [13, 8])
+    for x, y in zip(got, expected, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_buffers_keep_shapes_and_addresses(model):
+    cache = StateCache(model.config, max_slots=2, max_model_len=32)
+    before = [(b.data_ptr(), b.shape) for b in cache.buffers()]
+    slot = cache.allocate()
+    _feed(model, cache, slot, _rand(20, 9), [9, 1, 10])
+    cache.release(slot)
+    assert [(b.data_ptr(), b.shape) for b in cache.buffers()] == before
