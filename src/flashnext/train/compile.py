@@ -13,6 +13,9 @@ on, recompiling for every packing:
 
 They receive the `Segments` object, never its host lists: dynamo guards on a Python list it reads (length and
 every element), but not on an object it only passes through, so no guard mentions a sequence length or count.
+Why not `torch.library.custom_op`s: their fake impls would be easy (outputs sized by inputs), but three of the four
+need a backward, which without hand-written gradients means recomputing the op's forward in `register_autograd`'s
+backward, about half of the model's forward again per step, against one graph break each (docs/ARCHITECTURE.md).
 
 Dynamic dims: the token dim T of every layer input (residual, ids, rope, the per-token `Segments` tensors) and
 `cu_seqlens` dim 0 are marked *maybe*-dynamic before each call (`torch._dynamo.maybe_mark_dynamic`): the first
@@ -22,7 +25,8 @@ sequence read as size 2) just gets a guard and a graph of its own instead of rai
 their first new T (automatic dynamic shapes): after one single-sequence and one multi-sequence step no packing
 recompiles. Layers of equal structure share graphs (dynamo caches per code object), so a model needs about
 2 x (distinct layer kinds) entries per code object; the compiled regions get their own `recompile_limit` (16,
-`torch.compile`'s per-region argument) instead of changing the global dynamo config.
+`torch.compile`'s per-region argument) instead of changing the global dynamo config. No other knob is needed:
+`capture_scalar_outputs` would only matter for the MoE capacity, which stays in an opaque op.
 
 Order with activation checkpointing: `compile_model` first, then `train.checkpointing.apply_activation_checkpointing`.
 The checkpoint then wraps the compiled layer from outside (eager non-reentrant checkpoint; the recompute re-runs
