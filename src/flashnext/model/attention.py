@@ -32,6 +32,7 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
+    @torch.compiler.disable  # block layout from host lengths: opaque to torch.compile (see train/compile.py)
     @torch.no_grad()
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments):
         """x: [T, D_model] -> (sel [T, n], ok [T, n]) flat token indices to attend."""

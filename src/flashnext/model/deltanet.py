@@ -71,7 +71,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
         q, k, v, g, beta, z = self.project(x, seg)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, seg.cu_host)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, seg)
         return self.output(o, z)
 
     def forward_cached(self, x: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:

@@ -58,6 +58,8 @@ class Experts(nn.Module):
             return self._gathered(x, flat_e, weights)
         return self._grouped(x, flat_e, weights)
 
+    # Opaque to torch.compile: the slab's capacity is a data-dependent count (`int(counts.max())`).
+    @torch.compiler.disable
     def _grouped(self, x, flat_e, weights):
         """Sort assignments by expert, lay each expert's tokens in a [E, cap, D] slab, one batched matmul each."""
         E = self.num_experts

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from flashnext.batch import Segments
 from flashnext.ops.deltanet_ref import prepare_qk
 
 CHUNK = 64
@@ -31,13 +32,17 @@ def _use_fla(x: torch.Tensor) -> bool:
     return True
 
 
+# Opaque to torch.compile: the chunk layout and the scan's step count come from host lengths, so tracing would
+# specialise a graph on every packing. A compiled caller passes the `Segments` (never its host list, which dynamo
+# would guard on element by element) and this runs eagerly between graphs with its own autograd.
+@torch.compiler.disable
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    cu_seqlens: list[int],
+    cu_seqlens: list[int] | Segments,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,12 +50,14 @@ def chunk_gated_delta_rule(
 
     Args:
         q, k: [T, H, K] raw (L2-normalised and q-scaled here). v: [T, H, V]. g, beta: [T, H].
-        cu_seqlens: host list of N+1 cumulative lengths.
+        cu_seqlens: host list of N+1 cumulative lengths, or the stream's `Segments` (its `cu_host` is used).
         initial_state: optional fp32 [N, H, K, V].
 
     Returns:
         o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V].
     """
+    if isinstance(cu_seqlens, Segments):
+        cu_seqlens = cu_seqlens.cu_host
     if _use_fla(q):
         return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state)
     out_dtype = v.dtype

@@ -148,6 +148,9 @@ def aligned_slots(seg: Segments, ratio: int) -> tuple[torch.Tensor, int]:
     return base_t[seg.seq_idx] * ratio + pos, rows
 
 
+# Opaque to torch.compile (runs eagerly between graphs, with its own autograd): the block-aligned layout's row
+# count and the chunk loop come from host lengths, which a traced graph would specialise on.
+@torch.compiler.disable
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
