@@ -3,8 +3,9 @@
 Order (each step sees the model the previous one left):
   1. swap every PLE n-gram table for an `OwnerRoutedEmbedding` holding this rank's rows (on `meta` the rows stay
      on `meta`; a materialised table is sliced and the full one released);
-  2. activation checkpointing per decoder layer (`train/checkpointing.py`);
-  3. optional `torch.compile` hook (`flashnext.train.compile.compile_model`, imported only when asked for);
+  2. optional `torch.compile` of each decoder layer (`flashnext.train.compile.compile_model`, imported only when
+     asked for; it must see the plain layers, so it comes before checkpointing);
+  3. activation checkpointing per decoder layer (`train/checkpointing.py`);
   4. FSDP2 `fully_shard` on each decoder layer, then on the root, with the n-gram tables in `ignored_params`: they
      are never all-gathered and their gradients are never reduced (each rank's table gradient already holds every
      rank's contributions to its rows: the embedding's backward all-to-all delivered them);
@@ -59,15 +60,6 @@ class ParallelConfig(BaseModel):
     (to be filled from a checkpoint)."""
 
 
-def _compile(model: nn.Module) -> nn.Module:
-    # Optional hook owned by the trainer side; imported lazily so parallel/ works without it.
-    try:
-        from flashnext.train.compile import compile_model
-    except ImportError as e:
-        raise ConfigError(f"ParallelConfig(compile=True) needs flashnext.train.compile.compile_model: {e}") from e
-    return compile_model(model) or model
-
-
 def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
@@ -107,10 +99,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: ParallelConfig |
             for m in model.modules():
                 if isinstance(m, OwnerRoutedEmbedding):
                     m.to(device)
+    if cfg.compile:  # before checkpointing: compile_model wraps the plain layers (train/compile.py)
+        from flashnext.train.compile import compile_model
+
+        model = compile_model(model) or model
     if cfg.ac:
         apply_activation_checkpointing(model)
-    if cfg.compile:
-        model = _compile(model)
     if mesh is not None:
         _shard(model, mesh, cfg, device)
     if meta:

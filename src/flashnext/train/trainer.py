@@ -179,14 +179,14 @@ class Trainer:
         if cfg.train.loss == "rl" and examples[0].inference_logprobs is None:
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
-        if cfg.train.activation_checkpointing and not self.ctx.distributed:  # parallelize applied both otherwise
+        if cfg.train.compile and not self.ctx.distributed:  # parallelize applied both otherwise
+            from flashnext.train.compile import compile_model
+
+            compile_model(self.model)  # before checkpointing: it compiles the plain layers
+        if cfg.train.activation_checkpointing and not self.ctx.distributed:
             from flashnext.train.checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(self.model)
-        if cfg.train.compile and not self.ctx.distributed:
-            from flashnext.train.compile import compile_model
-
-            compile_model(self.model)
         self.optimizers, self.param_groups = build_optimizer(self.model, cfg.optim)
         if self.ctx.distributed:
             from flashnext.parallel import shard_aware_optimizers
