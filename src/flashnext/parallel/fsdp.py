@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: ParallelConfig |
     if cfg.compile:  # before checkpointing: compile_model wraps the plain layers (train/compile.py)
         from flashnext.train.compile import compile_model
 
-        model = compile_model(model) or model
+        compile_model(model)
     if cfg.ac:
         apply_activation_checkpointing(model)
     if mesh is not None:

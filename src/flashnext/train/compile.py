@@ -45,6 +45,7 @@ from flashnext.batch import Segments
 from flashnext.errors import ConfigError
 
 RECOMPILE_LIMIT = 16  # per code object: static + dynamic graph per distinct layer kind, with margin
+AUTOMATIC_DYNAMIC_AS = "unbacked"  # see the module docstring: no size guard once a dim has turned dynamic
 
 
 def mark_dynamic_batch(
@@ -89,7 +90,8 @@ def _compiled_forward(fn, **compile_kwargs):
                 mark_dynamic_batch(a)
             elif isinstance(a, tuple):  # rope = (cos, sin)
                 mark_dynamic_batch(*(t for t in a if isinstance(t, torch.Tensor)))
-        return compiled(*args, **kwargs)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes_mark_as=AUTOMATIC_DYNAMIC_AS):
+            return compiled(*args, **kwargs)
 
     return forward
 
