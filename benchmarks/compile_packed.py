@@ -8,9 +8,8 @@ alternate eager / compiled so load from elsewhere on the machine falls on both a
 Recompiles are dynamo's frame conversions (`torch._dynamo.utils.counters["frames"]["total"]`: every cache miss is
 one) counted after the warm-up, which is the first single-sequence step and the first multi-sequence step: the
 first compiles everything, the second turns the graph segments between opaque ops dynamic in T. Every later step
-(one sequence, many, other totals) should reuse those graphs; with inductor on CPU, graphs that sum fp32 weight
-gradients over tokens compile once more the first time T x width crosses 4096 (inductor's accumulator choice is
-guarded; see docs/ARCHITECTURE.md), which this count reports. Exit status 1 when it is not 0.
+(one sequence, many, other totals) must reuse those graphs (T turns dynamic unbacked, so inductor's size-dependent
+codegen choices install no guard; see `flashnext.train.compile`). Exit status 1 when the count is not 0.
 
 Output:
     step=<i> seqs=<n> tokens=<T> eager=<s> compiled=<s> loss_diff=<|eager - compiled|>

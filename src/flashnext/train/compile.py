@@ -23,8 +23,10 @@ compile is already shape-generic, and a dim that the trace does specialise (T ==
 sequence read as size 2) just gets a guard and a graph of its own instead of raising `ConstraintViolationError` as
 `mark_dynamic` does. Graph segments after an opaque op see fresh tensors, so they start static and turn dynamic at
 their first new T (automatic dynamic shapes): after one single-sequence and one multi-sequence step no packing
-recompiles, except that inductor's CPU codegen guards its choice of accumulator for fp32 sums over > 4096
-elements, so a graph reducing over tokens compiles once more when T first crosses that (docs/ARCHITECTURE.md).
+recompiles. Those automatic-dynamic dims are made *unbacked* (`automatic_dynamic_shapes_mark_as="unbacked"`,
+patched around each compiled call, not globally): with a backed T, inductor's CPU codegen would guard its choice of
+accumulator for fp32 sums over > 4096 elements, compiling the token-reducing backward graphs once more when T first
+crosses that; unbacked, it decides without a guard.
 Layers of equal structure share graphs (dynamo caches per code object), so a model needs about
 2 x (distinct layer kinds) entries per code object; the compiled regions get their own `recompile_limit` (16,
 `torch.compile`'s per-region argument) instead of changing the global dynamo config. No other knob is needed:
