@@ -256,3 +256,13 @@ def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
         if k in state:
             assert torch.equal(v, state[k]), k
     assert os.path.exists(out / "config.json")
+
+
+def test_shipped_run_config_is_valid():
+    from pathlib import Path
+
+    from flashnext.train.trainer import model_text_config
+
+    cfg = load_run_config(Path(__file__).parents[2] / "configs" / "tiny-sft.toml")
+    assert cfg.data.path is None and cfg.model.config == "tiny" and cfg.optim.total_steps == cfg.train.steps
+    assert model_text_config(cfg).vocab_size == 512
