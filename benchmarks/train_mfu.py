@@ -28,16 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_vs_reference import CONFIG  # noqa: E402
 
 
-def _toml(v) -> str:
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return json.dumps(v)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--token-budget", type=int, default=4096)
@@ -49,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from flashnext.train.config import load_run_config
+    from flashnext.train.config import load_run_config, toml_literal
     from flashnext.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +57,7 @@ def main() -> None:
                 f"--out_dir={json.dumps(tmp + '/run')}",
                 f"--data.path={json.dumps(str(data))}",
                 f"--data.token_budget={args.token_budget}",
-                "--model.overrides=" + _toml(CONFIG),
+                "--model.overrides=" + toml_literal(CONFIG),
                 f"--train.steps={args.steps}",
                 f"--train.activation_checkpointing={str(args.ac).lower()}",
                 f"--train.compile={str(args.compile).lower()}",

@@ -10,21 +10,10 @@ import pytest
 import torch
 from dist_helpers import free_port
 
-from flashnext.train.config import load_run_config
+from flashnext.train.config import load_run_config, toml_literal
 from flashnext.train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _toml_inline(d):
-    def lit(v):
-        if isinstance(v, dict):
-            return _toml_inline(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(lit(x) for x in v) + "]"
-        return json.dumps(v)
-
-    return "{" + ", ".join(f"{k} = {lit(v)}" for k, v in d.items()) + "}"
 
 
 def _data(path, n=16, vocab=64):
@@ -52,7 +41,7 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
         "--train.activation_checkpointing=true",
         "--checkpoint.every=2",
         "--checkpoint.export=false",
-        "--model.overrides=" + _toml_inline(small_config),
+        "--model.overrides=" + toml_literal(small_config),
     ]
     # the same global batch: 2 micro-batches in one process, 1 per rank on 2 ranks
     single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=2"]))

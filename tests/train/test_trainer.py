@@ -9,7 +9,7 @@ import torch
 import flashnext
 from flashnext.errors import CheckpointError, ConfigError
 from flashnext.train import state_io
-from flashnext.train.config import load_run_config, parse_override
+from flashnext.train.config import load_run_config, parse_override, toml_literal
 from flashnext.train.loss import count_label_tokens, sft_loss
 from flashnext.train.packing import collate
 from flashnext.train.trainer import Trainer, main
@@ -36,7 +36,7 @@ def _overrides(small_config, tmp_path, data, *extra):
     return [
         f"--out_dir={json.dumps(str(tmp_path / 'run'))}",
         f"--data.path={json.dumps(str(data))}",
-        "--model.overrides=" + _toml_inline(small_config),
+        "--model.overrides=" + toml_literal(small_config),
         "--data.token_budget=48",
         "--data.micro_batches=2",
         "--optim.warmup_steps=1",
@@ -45,21 +45,6 @@ def _overrides(small_config, tmp_path, data, *extra):
         "--checkpoint.export=false",
         *extra,
     ]
-
-
-def _toml_inline(d):
-    """A dict as a TOML inline table (for `--model.overrides=`)."""
-
-    def lit(v):
-        if isinstance(v, dict):
-            return _toml_inline(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(lit(x) for x in v) + "]"
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return json.dumps(v)
-
-    return "{" + ", ".join(f"{k} = {lit(v)}" for k, v in d.items()) + "}"
 
 
 def _config(small_config, tmp_path, data, *extra):

@@ -9,6 +9,7 @@ literal (`--train.steps=20`, `--optim.betas=[0.9,0.99]`, `--model.path="ckpt"`) 
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -142,6 +143,18 @@ class RunConfig(BaseModel):
             fields = self.optim.model_dump(exclude={"total_steps"})
             self.optim = OptimConfig.model_validate({**fields, "total_steps": max(1, self.train.steps)})
         return self
+
+
+def toml_literal(value: Any) -> str:
+    """`value` (dict, list, str, number, bool) as a TOML literal, dicts as inline tables: the inverse of the
+    parsing of `--section.field=value`, e.g. `--model.overrides=` + `toml_literal({"hidden_size": 64})`."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:
