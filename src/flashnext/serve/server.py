@@ -80,9 +80,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup)."""
-    state: dict = {"loop": None, "started": time.time()}
+def build_app(engine: Engine, model_name: str, api_key: str | None = None, model_dir=None) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
+
+    `model_dir`: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
+    """
+    state: dict = {"loop": None, "started": time.time(), "model_dir": model_dir}
     tok = engine.tokenizer
 
     @contextlib.asynccontextmanager
@@ -253,7 +256,7 @@ def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], st
     if getattr(model, "visual", None) is None or vision is None:
         raise InputError("this model is text-only (no vision tower); it does not accept image_url content")
     if "processor" not in state:
-        state["processor"] = image_processor(vision)
+        state["processor"] = image_processor(vision, state.get("model_dir"))
     images = process_images(urls, vision, state["processor"])
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pieces = text.split(IMAGE_SENTINEL)
