@@ -299,7 +299,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
     engine, name = _build_engine(args)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (max_slots={engine.cache.max_slots})", flush=True)
-    uvicorn.run(build_app(engine, name, args.api_key), host=args.host, port=args.port, log_level="warning")
+    app = build_app(engine, name, args.api_key, model_dir=args.model)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:

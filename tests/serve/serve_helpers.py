@@ -1,8 +1,14 @@
-"""A small random model (every parameter perturbed, so PLE conv and norms matter) and step helpers."""
+"""A small random model (every parameter perturbed, so PLE conv and norms matter), step helpers, a test server."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+
 import torch
+import uvicorn
 
 from flashnext.config import parse_config
 from flashnext.model.cached import make_step
@@ -31,3 +37,23 @@ def run_step(model, cache, entries: list[tuple[int, int, list[int]]]) -> torch.T
 
 def slot_state(cache, slot: int) -> list[torch.Tensor]:
     return [b[slot].clone() for b in cache.buffers()]
+
+
+@contextlib.contextmanager
+def running_server(app, timeout: float = 30.0):
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a daemon thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

@@ -11,6 +11,11 @@ written back to a real slot and the caller drops its output; a zero-length entry
 Windowed mixers (GDN conv, PLE conv, n-gram context) run on an *extended* stream: each entry's W cached rows
 followed by its L new rows, so the causal conv of `ops.conv` sees the previous tokens exactly as in one pass.
 
+Rotary positions: by default a token's rotary position is its cache row (`cached + offset`). An entry that
+carries MRoPE positions (a prompt with images) gives its prompt's `[3, L]` table and its `delta`: row r < L
+rotates at `table[:, r]`, a later row at `r + delta` on all three axes (the reference's decode rule). Cache rows
+(`seg.position_ids`) stay the sequential offsets either way.
+
 Legend: T tokens, N entries, W window rows, C channels.
 """
 
@@ -38,6 +43,10 @@ class StepBatch:
         new_blocks: QSA blocks completed by this step's live entries, `(slot [B], block [B], cos [B, R],
             sin [B, R])` rotated at each block's first position (set by the model, shared by its QSA layers).
         max_visible_blocks: host int, the most complete QSA blocks any query of the step sees.
+        mrope: per entry None (rotary position = row) or `(table int64 [3, L], delta)` (see the module doc);
+            None when no entry has MRoPE positions.
+        rope_positions: int64 [3, T] rotary positions of the step's tokens when `mrope` is set, else None
+            (the rotary then uses `seg.position_ids`).
     """
 
     seg: Segments
@@ -51,6 +60,8 @@ class StepBatch:
     tok_slot: torch.Tensor
     new_blocks: tuple | None = None
     max_visible_blocks: int = 0
+    mrope: list | None = None
+    rope_positions: torch.Tensor | None = None
     _ext: dict = field(default_factory=dict)
 
     @property
@@ -132,8 +143,12 @@ def make_step(
     cached: list[int],
     scratch_slot: int,
     device: torch.device | str = "cpu",
+    mrope: list | None = None,
 ) -> StepBatch:
-    """Build a `StepBatch` from host lists (N entries; `slots[i] == scratch_slot` marks padding)."""
+    """Build a `StepBatch` from host lists (N entries; `slots[i] == scratch_slot` marks padding).
+
+    `mrope`: optional per-entry None or `(table int64 [3, L], delta)` MRoPE positions (see the module doc).
+    """
     T = cu_seqlens[-1]
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
     cu = torch.tensor(cu_seqlens, dtype=torch.int32)
@@ -145,8 +160,18 @@ def make_step(
     live_host = [s != scratch_slot and n > 0 for s, n in zip(slots, lengths, strict=True)]
     slots_t = torch.tensor(slots, dtype=torch.long)
     live_idx = torch.tensor([i for i, live in enumerate(live_host) if live], dtype=torch.long)
+    rope_positions = None
+    if mrope is not None and any(m is not None for m in mrope):
+        rope_positions = torch.cat(
+            [rope_rows(m, torch.arange(c, c + n)) for m, c, n in zip(mrope, cached, lengths, strict=True)],
+            dim=1,
+        ).to(device)
+    else:
+        mrope = None
     return StepBatch(
         seg=seg,
+        mrope=mrope,
+        rope_positions=rope_positions,
         slots=slots_t.to(device),
         cached=cached_t.to(device),
         cached_host=list(cached),
@@ -158,9 +183,20 @@ def make_step(
     )
 
 
+def rope_rows(mrope, rows: torch.Tensor) -> torch.Tensor:
+    """Rotary positions int64 [3, n] of cache rows `rows` [n] of an entry with MRoPE `(table, delta)` or None."""
+    if mrope is None:
+        return rows.expand(3, -1)
+    table, delta = mrope
+    out = (rows + delta).expand(3, -1).clone()
+    inside = rows < table.shape[1]
+    out[:, inside] = table[:, rows[inside]]
+    return out
+
+
 def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
     """Fill `step.new_blocks` and `step.max_visible_blocks` for QSA blocks of c = `ratio` tokens (host math)."""
-    slots, idx, most = [], [], 0
+    slots, idx, most, pos = [], [], 0, []
     slot_host = step.slots.tolist()
     for i, (n, cached) in enumerate(zip(step.seg.lengths, step.cached_host, strict=True)):
         most = max(most, (cached + n) // ratio)
@@ -168,8 +204,15 @@ def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None
             done = range(cached // ratio, (cached + n) // ratio)
             slots.extend([slot_host[i]] * len(done))
             idx.extend(done)
+            if step.mrope is not None:  # each block rotates at its first token's (MRoPE) position
+                pos.append(rope_rows(step.mrope[i], torch.arange(done.start, done.stop) * ratio))
     dev = step.slots.device
     idx_t = torch.tensor(idx, dtype=torch.long, device=dev)
-    cos, sin = rotary(idx_t * ratio, dtype)
+    if step.mrope is None:
+        cos, sin = rotary(idx_t * ratio, dtype)
+    else:
+        cos, sin = rotary(
+            torch.cat(pos, dim=1).to(dev) if pos else torch.zeros(3, 0, dtype=torch.long, device=dev), dtype
+        )
     step.new_blocks = (torch.tensor(slots, dtype=torch.long, device=dev), idx_t, cos, sin)
     step.max_visible_blocks = most

@@ -21,7 +21,14 @@ from torch import nn
 from flashnext.batch import Segments, make_segments, pad_back, unpad
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.text import CausalLMOutput, FlashNextForCausalLM, FlashNextTextModel, causal_lm_loss
+from flashnext.model.cached import StepBatch
+from flashnext.model.text import (
+    CausalLMOutput,
+    FlashNextForCausalLM,
+    FlashNextTextModel,
+    causal_lm_loss,
+    last_token_logits,
+)
 from flashnext.model.vision import VisionModel, grid_list
 
 TEXT_TYPE, IMAGE_TYPE = 0, 1
@@ -176,6 +183,15 @@ class FlashNextForConditionalGeneration(nn.Module):
         if padded:
             logits = pad_back(logits, keep, tuple(input_ids.shape))
         return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
+
+    @torch.no_grad()
+    def forward_step(
+        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One serving step, as `FlashNextForCausalLM.forward_step`; image features come in `inputs_embeds`
+        (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs here."""
+        hidden = self.model.language_model.forward_cached(input_ids, step, cache, inputs_embeds)
+        return last_token_logits(self.lm_head, hidden, step)
 
     def mrope_segments(
         self, ids: torch.Tensor, seg: Segments, mm_token_type_ids: torch.Tensor | None, grid_thw: torch.Tensor

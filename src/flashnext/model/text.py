@@ -69,11 +69,18 @@ class FlashNextTextModel(nn.Module):
             routed.append(experts)
         return self.hyper_connection_mixer(residual), torch.stack(routed, dim=1)
 
-    def forward_cached(self, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
-        """Serving: input_ids int [T] continuing cached sequences (`step`, `cache`: a `StateCache`) -> [T, D]."""
-        x = self.embed_tokens(input_ids)
+    def forward_cached(
+        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Serving: input_ids int [T] continuing cached sequences (`step`, `cache`: a `StateCache`) -> [T, D].
+
+        `inputs_embeds` [T, D] (image features scattered in) replaces the token embedding; PLE still hashes
+        `input_ids`. The rotary uses `step.rope_positions` (MRoPE) when set, else the cache rows.
+        """
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = x.repeat(1, self.config.hc_count)
-        rope = self.rotary(step.seg.position_ids, x.dtype)
+        positions = step.seg.position_ids if step.rope_positions is None else step.rope_positions
+        rope = self.rotary(positions, x.dtype)
         if self.config.qsa_enabled:
             plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
@@ -133,22 +140,23 @@ class FlashNextForCausalLM(nn.Module):
         return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
 
     @torch.no_grad()
-    def forward_step(self, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
+    def forward_step(
+        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One serving step over a flat stream of prefill chunks and decode tokens.
 
         Args:
             input_ids: int [T], the entries' new tokens back to back.
             step: the entries' slots and cached lengths (`flashnext.model.cached.make_step`).
             cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place.
+            inputs_embeds: optional [T, D] replacing the token embedding (see `FlashNextTextModel.forward_cached`).
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
             order; padding and zero-length entries produce no row.
         """
-        hidden = self.model.forward_cached(input_ids, step, cache)
-        last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
-        rows = torch.tensor(last, dtype=torch.long, device=hidden.device)
-        return self.lm_head(hidden.index_select(0, rows))
+        hidden = self.model.forward_cached(input_ids, step, cache, inputs_embeds)
+        return last_token_logits(self.lm_head, hidden, step)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.device.type == "meta" or ids.numel() == 0:
@@ -201,6 +209,13 @@ class FlashNextForCausalLM(nn.Module):
         from flashnext.checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
+    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
+    last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
+    rows = torch.tensor(last, dtype=torch.long, device=hidden.device)
+    return lm_head(hidden.index_select(0, rows))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

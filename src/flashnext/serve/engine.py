@@ -9,6 +9,13 @@ Every `step()`:
 4. samples a token for every entry that reached the end of its known tokens, records log-probs, checks stop
    conditions, and frees a finished request's slot at once (its state is wiped; the slot is reusable next step).
 
+Images (a composite model): a request may carry `pixel_values` + `image_grid_thw` for the placeholder spans in its
+prompt. Its MRoPE positions (`get_rope_index`) and delta are computed when it is queued; when it is first
+scheduled, the vision tower runs once and its features are scattered into the whole prompt's embeddings, which
+the prompt's chunks (chunking across an image is fine: the text path is causal) feed to `forward_step` instead of
+token embeddings. The embeddings and pixels are dropped when the prompt is prefilled: nothing of the tower stays.
+Decode tokens rotate at `row + delta` on all three axes.
+
 `generate(prompts, params)` is the synchronous API; the HTTP server drives `step()` from a background thread and
 streams through each request's `on_update` callback.
 """
@@ -26,6 +33,7 @@ import torch
 
 from flashnext.errors import InputError
 from flashnext.model.cached import make_step
+from flashnext.model.multimodal import get_rope_index
 from flashnext.serve.cache import StateCache
 from flashnext.serve.sampling import SamplingParams, sample
 
@@ -70,6 +78,9 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) until embedded
+    prompt_embeds: torch.Tensor | None = None  # [L, D] text + image features, while prefilling
+    mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
 
     @property
     def num_tokens(self) -> int:
@@ -142,8 +153,14 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         on_update: Callable[[Request], None] | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> Request:
-        """Validate and queue a request (thread-safe). Raises `InputError` for an impossible request."""
+        """Validate and queue a request (thread-safe). Raises `InputError` for an impossible request.
+
+        `pixel_values` [sum t*h*w, P] and `image_grid_thw` int [n, 3] (`flashnext.vision_inputs.process_images`)
+        give the images of the prompt's placeholder spans, in order (composite models only).
+        """
         params = params or SamplingParams()
         params.validate()
         ids = self.encode(prompt)
@@ -157,12 +174,44 @@ class Engine:
             raise InputError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room")
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer")
+        mrope = None
+        if pixel_values is not None or image_grid_thw is not None:
+            mrope = self._image_positions(ids, pixel_values, image_grid_thw)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
-        req = Request(rid, ids, params, on_update=on_update, generator=gen)
+        req = Request(rid, ids, params, on_update=on_update, generator=gen, mrope=mrope)
+        if mrope is not None:
+            req.images = (pixel_values, image_grid_thw)
         with self._lock:
             self._incoming.append(req)
         return req
+
+    def _image_positions(self, ids: list[int], pixel_values, grid) -> tuple[torch.Tensor, int]:
+        """Check a request's images against the model and its placeholders; (MRoPE table [3, L], delta)."""
+        visual = getattr(self.model, "visual", None)
+        if visual is None:
+            raise InputError("this model is text-only (no vision tower); it does not accept images")
+        if pixel_values is None or grid is None:
+            raise InputError("images need both pixel_values and image_grid_thw")
+        grid = torch.as_tensor(grid, dtype=torch.long)
+        if grid.dim() != 2 or grid.shape[1] != 3:
+            raise InputError(f"image_grid_thw must be [n_images, 3], got {tuple(grid.shape)}")
+        if pixel_values.shape[0] != int(grid.prod(-1).sum()):
+            raise InputError(
+                f"pixel_values has {pixel_values.shape[0]} patches; image_grid_thw gives {int(grid.prod(-1).sum())}"
+            )
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        image_token_id = self.model.image_token_id
+        m = visual.config.spatial_merge_size
+        n_placeholders = int((ids_t == image_token_id).sum())
+        n_features = int(grid.prod(-1).sum()) // (m * m)
+        if n_placeholders != n_features:
+            raise InputError(
+                f"the prompt has {n_placeholders} image placeholders (id {image_token_id}) but the images give "
+                f"{n_features} features"
+            )
+        positions, deltas = get_rope_index(ids_t, [0, len(ids)], (ids_t == image_token_id).long(), grid, m)
+        return positions, int(deltas[0])
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe); its slot is freed at the start of the next step."""
@@ -195,13 +244,18 @@ class Engine:
             cu.append(cu[-1] + len(chunk))
             slots.append(req.slot)
             cached.append(req.num_cached)
-        step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device)
+        mrope = [req.mrope for req, _ in plan]
+        step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.forward_step(torch.tensor(ids, dtype=torch.long, device=self.device), step, self.cache)
+            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            embeds = self._prompt_embeds(plan, ids_t, cu)
+            logits = self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds)
         rows, to_sample = [], []
         for i, (req, n) in enumerate(plan):
             req.num_cached += n
+            if req.num_cached >= len(req.prompt_ids):
+                req.prompt_embeds = None  # prefilled: nothing of the vision tower stays
             if req.num_cached == req.num_tokens:  # fed everything known: the next token is due
                 rows.append(i)
                 to_sample.append(req)
@@ -210,6 +264,30 @@ class Engine:
         prefill = sum(n for req, n in plan if req.num_cached <= len(req.prompt_ids))
         self.stats.step(prefill, time.perf_counter() - t0, len(to_sample))
         return finished
+
+    def _prompt_embeds(self, plan, ids: torch.Tensor, cu: list[int]) -> torch.Tensor | None:
+        """The step's input embeddings when an entry is a chunk of an image prompt, else None (token embeddings).
+
+        An image request's first chunk runs the vision tower once over its images and keeps the whole prompt's
+        embeddings (features scattered into the placeholders) until its prefill ends.
+        """
+        image_entries = [
+            i for i, (req, _) in enumerate(plan) if req.mrope is not None and req.num_cached < len(req.prompt_ids)
+        ]
+        if not image_entries:
+            return None
+        for i in image_entries:
+            req = plan[i][0]
+            if req.prompt_embeds is None:
+                pixel_values, grid = req.images
+                prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+                req.prompt_embeds = self.model.embed(prompt, pixel_values.to(self.device), grid.to(self.device))
+                req.images = None
+        embeds = self.model.embed(ids, None, None)
+        for i in image_entries:
+            req, n = plan[i]
+            embeds[cu[i] : cu[i] + n] = req.prompt_embeds[req.num_cached : req.num_cached + n]
+        return embeds
 
     def _take_incoming(self) -> list[Request]:
         with self._lock:
@@ -298,6 +376,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
+        req.images = req.prompt_embeds = None
         if req.slot is not None:
             self.cache.release(req.slot)
             req.slot = None

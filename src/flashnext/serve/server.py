@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from flashnext.errors import FlashNextError
+from flashnext.errors import FlashNextError, InputError
 from flashnext.serve.engine import Engine
 from flashnext.serve.protocol import ChatRequest, CompletionRequest, error_body
 
@@ -80,9 +80,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup)."""
-    state: dict = {"loop": None, "started": time.time()}
+def build_app(engine: Engine, model_name: str, api_key: str | None = None, model_dir=None) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
+
+    `model_dir`: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
+    """
+    state: dict = {"loop": None, "started": time.time(), "model_dir": model_dir}
     tok = engine.tokenizer
 
     @contextlib.asynccontextmanager
@@ -151,9 +154,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> Fa
             return bad
         if tok is None:
             return _error(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
-        messages = [{"role": m.role, "content": _content_text(m.content)} for m in body.messages]
+        urls: list[str] = []
+        images = None
         try:
-            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            messages = [{"role": m.role, "content": _content_text(m.content, urls)} for m in body.messages]
+            if urls:
+                prompt, images = await asyncio.to_thread(_image_prompt, engine, tok, messages, urls, state)
+            else:
+                prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except FlashNextError as e:
             return _error(400, str(e), param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -162,13 +170,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> Fa
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         end_turn = tok.backend.token_to_id("<|im_end|>")
         params = body.sampling(max_tokens, logprobs, [end_turn] if end_turn is not None else [])
-        return await _serve(request, prompt, params, body.stream, chat=True)
+        return await _serve(request, prompt, params, body.stream, chat=True, images=images)
 
-    async def _serve(request: Request, prompt, params, stream: bool, chat: bool):
+    async def _serve(request: Request, prompt, params, stream: bool, chat: bool, images=None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = _Stream(asyncio.get_running_loop())
+        kw = {} if images is None else dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
         try:
-            req = engine.add_request(prompt, params, request_id=rid, on_update=sink)
+            req = engine.add_request(prompt, params, request_id=rid, on_update=sink, **kw)
         except FlashNextError as e:
             return _error(400, str(e))
         state["loop"].wake()
@@ -213,10 +222,52 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> Fa
     return app
 
 
-def _content_text(content) -> str:
+IMAGE_SENTINEL = "\ue000"  # stands for one image in the rendered chat template (a private-use character)
+
+
+def _content_text(content, urls: list[str]) -> str:
+    """A message's text; each `image_url` part becomes `IMAGE_SENTINEL` and its URL is appended to `urls`."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    out = []
+    for part in content:
+        if part.get("type") == "text":
+            out.append(part.get("text", ""))
+        elif part.get("type") == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise InputError("an image_url part needs image_url.url (a data: URL)")
+            urls.append(url)
+            out.append(IMAGE_SENTINEL)
+    return "".join(out)
+
+
+def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], state: dict):
+    """Prompt ids with each image expanded into its placeholder span, and the images' `ImageInputs`.
+
+    The template is rendered as text with a sentinel per image; the text between sentinels is tokenized piece by
+    piece (the span's special tokens split the text in the reference tokenizer too).
+    """
+    from flashnext.vision_inputs import image_processor, image_span, process_images
+
+    model = engine.model
+    vision = getattr(getattr(model, "model_config", None), "vision_config", None)
+    if getattr(model, "visual", None) is None or vision is None:
+        raise InputError("this model is text-only (no vision tower); it does not accept image_url content")
+    if "processor" not in state:
+        state["processor"] = image_processor(vision, state.get("model_dir"))
+    images = process_images(urls, vision, state["processor"])
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pieces = text.split(IMAGE_SENTINEL)
+    if len(pieces) != len(urls) + 1:
+        raise InputError(f"{len(urls)} images but {len(pieces) - 1} image positions in the rendered chat template")
+    cfg = model.model_config
+    ids = list(tok.encode(pieces[0]))
+    for n, piece in zip(images.num_tokens, pieces[1:], strict=True):
+        ids += image_span(n, cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+        ids += tok.encode(piece)
+    return ids, images
 
 
 def _holdback(text: str, stops: list[str]) -> int:
