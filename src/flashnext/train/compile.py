@@ -118,9 +118,10 @@ def compile_model(
         final_mixer: also compile the final hyper-connection stream mixer before the LM head.
     """
     kwargs = dict(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=None, recompile_limit=RECOMPILE_LIMIT)
-    modules = list(model.model.layers)
+    decoder = getattr(model.model, "language_model", model.model)  # the composite model's text decoder
+    modules = list(decoder.layers)
     if final_mixer:
-        modules.append(model.model.hyper_connection_mixer)
+        modules.append(decoder.hyper_connection_mixer)
     compiled = 0
     for module in modules:
         if getattr(module, "_flashnext_checkpointed", False):
