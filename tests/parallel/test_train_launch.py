@@ -43,14 +43,14 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
         "--checkpoint.export=false",
         "--model.overrides=" + toml_literal(small_config),
     ]
-    # the same global batch: 2 micro-batches in one process, 1 per rank on 2 ranks
-    single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=2"]))
+    # the same global batch: 4 micro-batches in one process, 2 per rank on 2 ranks (gradient sync on the last only)
+    single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"]))
     single.run()
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "flashnext.train", *common, f"--out_dir={tmp_path / 'two'}",
-           "--data.micro_batches=1"]  # fmt: skip
+           "--data.micro_batches=2"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
@@ -65,7 +65,7 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
     assert (ckpt / "meta.json").exists() and json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
     resumed = Trainer(
         load_run_config(
-            None, [*common, f"--out_dir={tmp_path / 'three'}", "--data.micro_batches=2", f"--checkpoint.resume={ckpt}"]
+            None, [*common, f"--out_dir={tmp_path / 'three'}", "--data.micro_batches=4", f"--checkpoint.resume={ckpt}"]
         )
     )
     (last,) = resumed.run()

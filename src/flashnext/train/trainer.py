@@ -249,7 +249,10 @@ class Trainer:
         num_loss_tokens, tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens])
         loss_sum = torch.zeros((), dtype=torch.float64)
         rl_sums: dict[str, float] = {}
-        for b, n_local in zip(batches, local_counts, strict=True):
+        sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
+        for i, (b, n_local) in enumerate(zip(batches, local_counts, strict=True)):
+            if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
+                sync(i == len(batches) - 1)
             loss, metrics = self._forward_loss(b, num_loss_tokens)
             loss.backward()
             loss_sum += loss.detach().double().cpu()
