@@ -137,11 +137,6 @@ def load_examples(cfg: RunConfig, tokenizer) -> list[Example]:
     return examples
 
 
-def shift_to_targets(values: torch.Tensor, seg, fill: float) -> torch.Tensor:
-    """Align a per-token tensor with the prediction made at each position (entry t -> entry t + 1)."""
-    return next_token_targets(values, seg, fill)
-
-
 class Trainer:
     """Builds everything a run needs from a `RunConfig` and runs optimizer steps.
 
@@ -237,8 +232,8 @@ class Trainer:
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
         lp_train, entropy = token_logprobs(out.logits, torch.where(mask, targets, 0))
-        lp_infer = shift_to_targets(b.inference_logprobs.to(dev), seg, 0.0)
-        adv = shift_to_targets(b.advantages.to(dev), seg, 0.0)
+        lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
+        adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
         return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
