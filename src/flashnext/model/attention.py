@@ -11,6 +11,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
 from flashnext.model.cached import StepBatch
+from flashnext.model.fused import linear, project
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
 from flashnext.ops import qsa, qsa_cached
@@ -47,13 +48,15 @@ class QSAIndexer(nn.Module):
         return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
+    def forward_cached(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
         """Serving: store raw keys, pool blocks that complete in this step (once), select per query.
+
+        Args:
+            qk: [T, (Hi + 1) * Di], the `index_qk_proj` of the layer input (fused with the attention's own).
 
         Returns (blocks [T, kb], ok [T, kb]): block indices within each query's slot.
         """
-        T = x.shape[0]
-        qk = self.index_qk_proj(x)
+        T = qk.shape[0]
         q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
         raw_k = qk[:, self.n_heads * self.head_dim :]
         q = apply_rotary(self.q_layernorm(q), cos, sin)
@@ -89,12 +92,15 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, D] -> rotated q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], gate [T, H*Dh]."""
-        T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.h, 2 * self.d).chunk(2, dim=-1)
+        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def _heads(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projections qg [T, H*Dh*2], k, v [T, Hkv*Dh] -> rotated, normed heads (as `project`)."""
+        T = qg.shape[0]
+        q, gate = qg.reshape(T, self.h, 2 * self.d).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.hkv, self.d)), cos, sin)
-        v = self.v_proj(x).view(T, self.hkv, self.d)
-        return q, k, v, gate.reshape(T, self.h * self.d)
+        k = apply_rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), cos, sin)
+        return q, k, v.reshape(T, self.hkv, self.d), gate.reshape(T, self.h * self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         sel, ok = self.indexer(x, cos, sin, seg)
@@ -104,12 +110,13 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
         """Serving: write this step's keys/values into `cache` (a `QSACache`), attend over the cached selection."""
-        blocks, ok = self.indexer.forward_cached(x, cos, sin, step, cache)
-        q, k, v, gate = self.project(x, cos, sin)
+        qg, k, v, qk = project(x, self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
+        blocks, ok = self.indexer.forward_cached(qk, cos, sin, step, cache)
+        q, k, v, gate = self._heads(qg, k, v, cos, sin)
         flat = step.tok_slot * cache.k.shape[1] + step.seg.position_ids
         cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))
         cache.v.view(-1, self.hkv, self.d).index_copy_(0, flat, v.to(cache.v.dtype))
         o = qsa_cached.sparse_attention_cached(
             q, cache.k, cache.v, step.tok_slot, step.seg.position_ids, blocks, ok, self.scale, self.indexer.ratio
         )
-        return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
+        return linear(o.flatten(-2) * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias)

@@ -12,6 +12,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
 from flashnext.model.cached import StepBatch
+from flashnext.model.fused import linear, project
 from flashnext.model.norm import GatedRMSNorm
 from flashnext.ops.conv import causal_conv1d_varlen
 from flashnext.ops.deltanet import chunk_gated_delta_rule
@@ -47,12 +48,17 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: torch.Tensor, seg: Segments):
         """Everything before the recurrence: returns q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], z."""
-        qkv = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), seg.pos_in_seq)
-        return self._heads(x, F.silu(qkv).to(x.dtype))
+        qkv, z, b, a = self._in_proj(x)
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), seg.pos_in_seq)
+        return self._heads(F.silu(qkv).to(x.dtype), z, b, a)
 
-    def _heads(self, x: torch.Tensor, qkv: torch.Tensor):
-        """Split the conv-mixed `qkv` [T, conv_dim] into heads and add the gates of `x` [T, D]."""
-        T = x.shape[0]
+    def _in_proj(self, x: torch.Tensor):
+        """The four input projections of x [T, D]: pre-conv qkv, z, b, a (one fused matmul when serving)."""
+        return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def _heads(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Split the conv-mixed `qkv` [T, conv_dim] into heads; gates from the projections z, b, a."""
+        T = qkv.shape[0]
         kd = self.hk * self.dk
         q, k, v = torch.split(qkv, [kd, kd, self.hv * self.dv], dim=-1)
         q, k = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk)
@@ -60,14 +66,13 @@ class GatedDeltaNet(nn.Module):
         if self.hv != self.hk:
             q = q.repeat_interleave(self.hv // self.hk, dim=1)
             k = k.repeat_interleave(self.hv // self.hk, dim=1)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)
-        return q, k, v, g, beta, z
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v, g, beta, z.reshape(T, self.hv, self.dv)
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z: [T, Hv, Dv] -> [T, D]."""
-        return self.out_proj(self.norm(o, z).flatten(-2))
+        return linear(self.norm(o, z).flatten(-2), self.out_proj.weight, self.out_proj.bias)
 
     def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
         q, k, v, g, beta, z = self.project(x, seg)
@@ -80,9 +85,10 @@ class GatedDeltaNet(nn.Module):
         Decode steps (one token per entry) take the batched single-token recurrence; prefill chunks the chunked
         rule with the cached state as initial state. Live entries' windows and states are written back.
         """
-        qkv_in, pos_ext = step.with_history(self.in_proj_qkv(x), cache.conv.index_select(0, step.slots))
+        qkv, z, b, a = self._in_proj(x)
+        qkv_in, pos_ext = step.with_history(qkv, cache.conv.index_select(0, step.slots))
         qkv = step.conv(qkv_in, pos_ext, self.conv1d.weight.squeeze(1), cache.width)
-        q, k, v, g, beta, z = self._heads(x, F.silu(qkv).to(x.dtype))
+        q, k, v, g, beta, z = self._heads(F.silu(qkv).to(x.dtype), z, b, a)
         state = cache.state.index_select(0, step.slots)
         if step.is_decode:
             o, final = gated_delta_step(q, k, v, g, beta, state)

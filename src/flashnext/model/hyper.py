@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.model.fused import linear, project
 from flashnext.model.norm import RMSNorm
 
 
@@ -28,13 +29,16 @@ class GatedResidual(nn.Module):
     def forward(self, residual: torch.Tensor):
         """residual: [T, hc*D] -> mixed input [T, D] (and injection weights [T, hc] when injecting)."""
         normed = self.hc_norm(residual)
-        mix = F.silu(self.input_mix_weight_down(normed) / self.hc)
-        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.hc, self.hidden))
+        if self.block_inject_weight is None:
+            (down,) = project(normed, self.input_mix_weight_down)
+        else:
+            down, inject = project(normed, self.input_mix_weight_down, self.block_inject_weight)
+        mix = F.silu(down / self.hc)
+        mix = torch.sigmoid(linear(mix, self.input_mix_weight_up.weight)).unflatten(-1, (self.hc, self.hidden))
         mixed = (mix * normed.unflatten(-1, (self.hc, self.hidden))).mean(-2)
         if self.block_inject_weight is None:
             return mixed
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
-        return mixed, inject
+        return mixed, 2 * torch.sigmoid(inject / self.hc)
 
 
 def inject(residual: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

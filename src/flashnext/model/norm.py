@@ -21,11 +21,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        if self.group_size is not None:
-            h = h.unflatten(-1, (-1, self.group_size))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.group_size is not None:
-            h = h.flatten(-2)
+        size = self.group_size or h.shape[-1]
+        h = F.rms_norm(h.unflatten(-1, (-1, size)), (size,), eps=self.eps).flatten(-2)
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
@@ -40,8 +37,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         h = self.weight * h.to(dtype)
         act = F.silu if self.activation == "silu" else torch.sigmoid
         return (h * act(gate.float())).to(dtype)

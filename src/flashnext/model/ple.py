@@ -14,6 +14,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
 from flashnext.model.cached import StepBatch
+from flashnext.model.fused import project
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import RMSNorm
 from flashnext.ops.conv import causal_conv1d_varlen
@@ -42,8 +43,8 @@ class PLELayer(nn.Module):
 
     def _gated(self, residual: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """n-gram values [T, E] gated into each stream by its agreement with the residual: -> [T, hc*D]."""
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
-        value = self.value_proj(emb)
+        key, value = project(emb, self.key_proj, self.value_proj)
+        key = self.norm_key(key).unflatten(-1, (self.hc, self.hidden))
         query = self.norm_query(residual).unflatten(-1, (self.hc, self.hidden))
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root

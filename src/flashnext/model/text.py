@@ -16,6 +16,7 @@ from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.cached import StepBatch, plan_blocks
 from flashnext.model.deltanet import GatedDeltaNet
+from flashnext.model.fused import linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.moe import Experts, Router
@@ -215,7 +216,7 @@ def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch)
     """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     rows = torch.tensor(last, dtype=torch.long, device=hidden.device)
-    return lm_head(hidden.index_select(0, rows))
+    return linear(hidden.index_select(0, rows), lm_head.weight, lm_head.bias)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

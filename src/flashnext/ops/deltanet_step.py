@@ -1,7 +1,8 @@
 """One token of the gated delta rule for a batch of sequences: the decode path of `ops.deltanet_ref`.
 
 Legend: N sequences (one token each), H value heads, K key dim, V value dim. State S: fp32 [N, H, K, V].
-Same per-token math as `recurrent_gated_delta_rule`, batched over N without a Python loop.
+Same per-token math as `recurrent_gated_delta_rule`, batched over N without a Python loop; the state products
+run as batched matrix-vector products (`bmm`/`baddbmm`), three passes over the state.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ def gated_delta_step(
     """
     out_dtype = v.dtype
     q, k = prepare_qk(q, k)
-    v, g, beta = v.float(), g.float(), beta.float()
-    S = state.float() * g.exp()[..., None, None]
-    pred = (S * k[..., :, None]).sum(-2)
-    delta = (v - pred) * beta[..., None]
-    S = S + k[..., :, None] * delta[..., None, :]
-    o = (S * q[..., :, None]).sum(-2)
-    return o.to(out_dtype), S
+    N, H, K = k.shape
+    V = v.shape[-1]
+    decay = g.float().exp()
+    S = state.float().reshape(N * H, K, V)
+    # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
+    pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
+    delta = (v.float() - pred) * beta.float()[..., None]
+    S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V))
+    o = torch.bmm(q.reshape(N * H, 1, K), S).view(N, H, V)
+    return o.to(out_dtype), S.view(N, H, K, V)

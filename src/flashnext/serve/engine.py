@@ -330,8 +330,9 @@ class Engine:
         return plan
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[Request]:
-        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        want = any(r.params.logprobs is not None for r in reqs)
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], with_logprobs=want)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist() if want else None
         tokens_host = tokens.tolist()
         top_n = max((r.params.logprobs or 0) for r in reqs)
         top = torch.topk(logprobs, top_n, dim=-1) if top_n else None

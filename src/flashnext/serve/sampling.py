@@ -53,19 +53,24 @@ class SamplingParams:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    with_logprobs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row.
 
     Args:
         logits: [n, V] raw next-token logits; params / generators: one per row.
+        with_logprobs: compute the log-probs (False: the second result is None; a step of requests that asked
+            for none skips the full-vocabulary log-softmax).
 
     Returns:
         tokens int64 [n] and logprobs fp32 [n, V] (log-softmax of the raw logits: the model's distribution,
         which is what a trainer's `token_logprobs` computes for the same position).
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None
     tokens = logits.argmax(-1)
     for i, p in enumerate(params):
         if p.temperature == 0:
