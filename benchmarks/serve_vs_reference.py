@@ -13,12 +13,18 @@ HTTP load (unless `--no-http`): `flashnext serve`'s app on 127.0.0.1 (uvicorn in
 1, 4, 16, 64: c streaming /v1/completions clients (32-token prompts, 64 tokens) at once; prints output tok/s and
 the medians of time-to-first-token and time-per-output-token.
 
-OpenMP threads wait passively (`OMP_WAIT_POLICY=PASSIVE` unless set): on a shared box, spinning threads made
-every small op of both sides ~4x slower.
+OpenMP waiting (`--omp-wait-policy`, applied to both sides, set before torch loads): `default` leaves libgomp's
+spin-then-sleep; `passive` suits a shared box, where spinning threads lost their time slices and every small op of
+both sides ran ~4x slower; on a quiet box `passive` made our decode step ~25% slower (each GEMM wakes the worker).
+
+GEMM floor (batch 16): the matmuls of one of our batch-16 decode steps (recorded with their shapes and operands)
+replayed back to back, against the reference's wall time per generated position. On a CPU this bounds the ratio
+that removing every other cost could reach: `bound = ref ms per step / GEMM ms per step`.
 
 Output:
     batch=<b> ours=<tok/s> ref=<tok/s> ratio=<x>
     http concurrency=<c> tok/s=<x> ttft_ms=<median> tpot_ms=<median>
+    # gemm floor batch=16: <ms>/step of matmuls; ref <ms>/step; ratio bound <x>
     batch16_ratio=<x>            (last line)
 
     python benchmarks/serve_vs_reference.py
@@ -36,9 +42,19 @@ import tempfile
 import time
 from pathlib import Path
 
-# Passive OpenMP waiting (set before torch loads OpenMP): on a shared 2-core box, spinning worker threads lose
-# their time slices and every small op stalls (both sides ran ~4x slower here without it). Applies to both alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def _omp_policy(argv) -> None:
+    """Apply `--omp-wait-policy` before torch (and its OpenMP runtime) loads; both sides run under it."""
+    argv = sys.argv[1:] if argv is None else argv
+    policy = "default"
+    for i, arg in enumerate(argv):
+        if arg.startswith("--omp-wait-policy"):
+            policy = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+    if policy != "default" and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+
+
+_omp_policy(None if __name__ == "__main__" else [])
 
 import torch  # noqa: E402
 
@@ -75,9 +91,12 @@ def ours_generate(model, prompts: torch.Tensor) -> list[list[int]]:
     return [c.token_ids for c in engine.generate(prompts.tolist(), params)]
 
 
-def bench_decode(ours, ref, batches: list[int], repeats: int, vocab: int, seed: int) -> dict[int, float]:
+def bench_decode(
+    ours, ref, batches: list[int], repeats: int, vocab: int, seed: int
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per batch: (ref time / our time, reference seconds per generated position)."""
     gen = torch.Generator().manual_seed(seed)
-    ratios = {}
+    ratios, ref_step = {}, {}
     for b in batches:
         prompts = torch.randint(0, vocab, (b, PROMPT_LEN), generator=gen)
         times = {"ours": [], "ref": []}
@@ -91,10 +110,47 @@ def bench_decode(ours, ref, batches: list[int], repeats: int, vocab: int, seed: 
         t = {k: statistics.median(v) for k, v in times.items()}
         same = sum(a == r for a, r in zip(outs["ours"], outs["ref"], strict=True))
         ratios[b] = t["ref"] / t["ours"]
+        ref_step[b] = t["ref"] / NEW_TOKENS
         tokens = b * NEW_TOKENS
         print(f"# batch={b} identical greedy sequences: {same}/{b}")
         print(f"batch={b} ours={tokens / t['ours']:.1f} ref={tokens / t['ref']:.1f} ratio={ratios[b]:.2f}", flush=True)
-    return ratios
+    return ratios, ref_step
+
+
+def gemm_floor(model, batch: int, vocab: int, seed: int, repeats: int = 20) -> float:
+    """Median seconds of the matmuls of one of our decode steps at `batch`, replayed alone back to back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    ops = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+           torch.ops.aten.baddbmm.default, torch.ops.aten.baddbmm.out}  # fmt: skip
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in ops:
+                calls.append((func, [a.clone() if isinstance(a, torch.Tensor) else a for a in args], dict(kwargs)))
+            return func(*args, **kwargs)
+
+    gen = torch.Generator().manual_seed(seed)
+    engine = Engine(model, max_slots=batch, max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for prompt in torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist():
+        engine.add_request(prompt, params)
+    for _ in range(1 + NEW_TOKENS // 2):  # prefill, then decode to mid-generation
+        engine.step()
+    with Record():
+        engine.step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _serve_in_thread(app):
@@ -174,6 +230,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP load run")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["default", "active", "passive"],
+        default="default",
+        help="OpenMP waiting for both sides (default: libgomp's own; an OMP_WAIT_POLICY already set wins)",
+    )
     args = parser.parse_args(argv)
 
     import flashnext
@@ -186,8 +248,19 @@ def main(argv=None) -> int:
         ref.save_pretrained(tmp)
         ours = flashnext.from_pretrained(tmp, dtype=torch.float32, device="cpu").eval()
     n = sum(p.numel() for p in ours.parameters())
-    print(f"# params={n / 1e6:.2f}M fp32 threads={torch.get_num_threads()} prompt={PROMPT_LEN} new={NEW_TOKENS}")
-    ratios = bench_decode(ours, ref, args.batches, args.repeats, cfg["vocab_size"], args.seed)
+    policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    print(
+        f"# params={n / 1e6:.2f}M fp32 threads={torch.get_num_threads()} prompt={PROMPT_LEN} new={NEW_TOKENS} "
+        f"omp_wait_policy={policy}"
+    )
+    ratios, ref_step = bench_decode(ours, ref, args.batches, args.repeats, cfg["vocab_size"], args.seed)
+    if 16 in ref_step:
+        floor = gemm_floor(ours, 16, cfg["vocab_size"], args.seed)
+        print(
+            f"# gemm floor batch=16: {floor * 1e3:.2f} ms/step of matmuls; ref {ref_step[16] * 1e3:.2f} ms/step; "
+            f"ratio bound {ref_step[16] / floor:.2f}",
+            flush=True,
+        )
     if not args.no_http:
         del ref
         for line in http_load(ours, args.concurrency, cfg["vocab_size"], args.seed):

@@ -62,3 +62,26 @@ def test_prefill_then_continue_equals_whole():
     o2, f2 = recurrent_gated_delta_rule(*[t[a:] for t in inputs], [0, 90 - a], f1)
     torch.testing.assert_close(torch.cat([o1, o2]), o_all, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(f2, f_all, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-state", "in-place"])
+def test_decode_step_matches_recurrent(in_place):
+    """`gated_delta_step` over N sequences, one token at a time, == the recurrence (outputs and final states)."""
+    from flashnext.ops.deltanet_step import gated_delta_step
+
+    N, L = 3, 5
+    q, k, v, decay, beta = (t.detach() for t in _inputs([0, N * L]))
+    init = torch.randn(N, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    cu = [i * L for i in range(N + 1)]
+    ref_o, ref_state = recurrent_gated_delta_rule(q, k, v, decay, beta, cu, initial_state=init)
+    state = init.clone()
+    outs = []
+    for t in range(L):
+        rows = torch.arange(N) * L + t  # token t of every sequence
+        o, new = gated_delta_step(q[rows], k[rows], v[rows], decay[rows], beta[rows], state, in_place=in_place)
+        assert (new.data_ptr() == state.data_ptr()) == in_place
+        state = new
+        outs.append(o)
+    got_o = torch.stack(outs, 1).reshape(N * L, *outs[0].shape[1:])
+    torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)

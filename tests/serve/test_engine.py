@@ -74,3 +74,16 @@ def test_generate_cli(capsys):
     assert cli_main(["generate", "--ids", "5,6,7", "--max-tokens", "4", "--threads", "1"]) == 0
     out = capsys.readouterr()
     assert "4 tokens" in out.err and "finish_reason=length" in out.err
+
+
+def test_sampler_skips_logprobs_only_when_asked():
+    """`sample(..., with_logprobs=False)` picks the same tokens and computes no log-probs."""
+    from flashnext.serve.sampling import sample
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=1)] * 2
+    gens = [None, torch.Generator().manual_seed(3)] * 2
+    tokens, logprobs = sample(logits, params, [None if g is None else g.clone_state() for g in gens])
+    tokens2, none = sample(logits, params, [None if g is None else g.clone_state() for g in gens], False)
+    assert none is None and torch.equal(tokens, tokens2)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1))

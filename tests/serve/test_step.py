@@ -127,3 +127,53 @@ def test_buffers_keep_shapes_and_addresses(model):
     _feed(model, cache, slot, _rand(20, 9), [9, 1, 10])
     cache.release(slot)
     assert [(b.data_ptr(), b.shape) for b in cache.buffers()] == before
+
+
+def test_decode_step_segments_equal_make_segments():
+    """make_step's decode shortcut builds the same Segments as the general path."""
+    from flashnext.batch import make_segments
+    from flashnext.model.cached import make_step
+
+    cached = [5, 0, 17]
+    step = make_step([0, 1, 2, 3], [2, 0, 1], cached, scratch_slot=3)
+    ref = make_segments(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3, torch.tensor(cached))
+    for name in ("cu_seqlens", "position_ids", "seq_idx", "seq_start", "pos_in_seq"):
+        assert torch.equal(getattr(step.seg, name), getattr(ref, name)), name
+    assert (step.seg.lengths, step.seg.cu_host, step.seg.max_seqlen) == (ref.lengths, ref.cu_host, ref.max_seqlen)
+
+
+@pytest.mark.parametrize(
+    ("slots", "run"),
+    [([0, 1, 2], (0, 3)), ([1, 2], (1, 2)), ([2, 0, 1], None), ([0, 2], None), ([0, 3], None)],
+    ids=["all", "tail", "unordered", "gap", "padding"],
+)
+def test_slot_run_detection(slots, run):
+    from flashnext.model.cached import make_step
+
+    step = make_step(list(range(len(slots) + 1)), slots, [4] * len(slots), scratch_slot=3)
+    assert step.slot_run == run
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "prefill"])
+def test_slot_run_path_equals_indexed_path(model, tokens):
+    """A batch on consecutive slots reads/writes state as cache slices (in place): same logits and states as
+    the gather/scatter path, bit for bit."""
+    from flashnext.model.cached import make_step
+
+    a, b = _three_slot_caches(model, 2)
+    entries = [(s, 6 + s, _rand(tokens, 30 + s)) for s in range(3)]
+    cu = [0]
+    for e in entries:
+        cu.append(cu[-1] + len(e[2]))
+    ids = torch.tensor([t for e in entries for t in e[2]])
+    outs = []
+    for cache, run in ((a, True), (b, False)):
+        step = make_step(cu, [e[0] for e in entries], [e[1] for e in entries], cache.scratch_slot)
+        assert step.slot_run == (0, 3)
+        if not run:
+            step.slot_run = None
+        with torch.no_grad():
+            outs.append(model.forward_step(ids, step, cache))
+    assert torch.equal(outs[0], outs[1])
+    for x, y in zip(a.buffers(), b.buffers(), strict=True):
+        assert torch.equal(x, y)

@@ -47,6 +47,9 @@ class StepBatch:
             None when no entry has MRoPE positions.
         rope_positions: int64 [3, T] rotary positions of the step's tokens when `mrope` is set, else None
             (the rotary then uses `seg.position_ids`).
+        slot_run: `(first, N)` when the entries' slots are `first, first+1, ...` in order and every entry is live
+            (the usual decode batch): per-slot state is then read and written as one contiguous slice of each
+            buffer (`gather`, `store`) instead of by index; None otherwise.
     """
 
     seg: Segments
@@ -62,12 +65,31 @@ class StepBatch:
     max_visible_blocks: int = 0
     mrope: list | None = None
     rope_positions: torch.Tensor | None = None
+    slot_run: tuple[int, int] | None = None
     _ext: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
         """Every entry has exactly one token (the recurrent single-step paths apply)."""
         return all(n == 1 for n in self.seg.lengths)
+
+    def gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
+
+        A view aliases the cache: read it before `store` writes the same buffer.
+        """
+        if self.slot_run is not None:
+            return buf.narrow(0, *self.slot_run)
+        return buf.index_select(0, self.slots)
+
+    def store(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write every live entry's row of `rows` [N, ...] into its slot of `buf` [S, ...]."""
+        if self.slot_run is not None:
+            target = buf.narrow(0, *self.slot_run)
+            if target.data_ptr() != rows.data_ptr():  # not computed in place already
+                target.copy_(rows)
+        elif any(self.live_host):
+            buf.index_copy_(0, self.live_slots, rows.index_select(0, self.live_idx).to(buf.dtype))
 
     def extended(self, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Index maps of the stream extended by W history rows before every entry (memoised per W).
@@ -132,6 +154,9 @@ class StepBatch:
         W = buf.shape[1]
         if W == 0 or not any(self.live_host):
             return
+        if self.slot_run is not None and self.is_decode:  # entry i's window: rows 1..W of its [W + 1] block
+            buf.narrow(0, *self.slot_run).copy_(x_ext.view(-1, W + 1, *x_ext.shape[1:])[:, 1:])
+            return
         rows = self.extended(W)[3].index_select(0, self.live_idx).flatten()
         n = self.live_idx.shape[0]
         buf.index_copy_(0, self.live_slots, x_ext.index_select(0, rows).view(n, W, *x_ext.shape[1:]).to(buf.dtype))
@@ -182,7 +207,10 @@ def make_step(
         ).to(device)
     else:
         mrope = None
+    N = len(slots)
+    run = N > 0 and all(live_host) and slots == list(range(slots[0], slots[0] + N))
     return StepBatch(
+        slot_run=(slots[0], N) if run else None,
         seg=seg,
         mrope=mrope,
         rope_positions=rope_positions,

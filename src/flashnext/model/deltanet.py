@@ -86,15 +86,14 @@ class GatedDeltaNet(nn.Module):
         rule with the cached state as initial state. Live entries' windows and states are written back.
         """
         qkv, z, b, a = self._in_proj(x)
-        qkv_in, pos_ext = step.with_history(qkv, cache.conv.index_select(0, step.slots))
+        qkv_in, pos_ext = step.with_history(qkv, step.gather(cache.conv))
         qkv = step.conv(qkv_in, pos_ext, self.conv1d.weight.squeeze(1), cache.width)
         q, k, v, g, beta, z = self._heads(F.silu(qkv).to(x.dtype), z, b, a)
-        state = cache.state.index_select(0, step.slots)
-        if step.is_decode:
-            o, final = gated_delta_step(q, k, v, g, beta, state)
+        state = step.gather(cache.state)
+        if step.is_decode:  # with a slot run, the new state is written straight into the cache slice
+            o, final = gated_delta_step(q, k, v, g, beta, state, in_place=step.slot_run is not None)
         else:
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, step.seg.cu_host, initial_state=state)
         step.write_window(cache.conv, qkv_in)
-        if any(step.live_host):
-            cache.state.index_copy_(0, step.live_slots, final.index_select(0, step.live_idx))
+        step.store(cache.state, final)
         return self.output(o, z)

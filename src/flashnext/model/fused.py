@@ -31,14 +31,20 @@ def active(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and x.device.type != "meta"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` for 2-D inputs of at most `SKINNY_ROWS` rows."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, contiguous: bool = True
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` for 2-D inputs of at most `SKINNY_ROWS` rows.
+
+    `contiguous=False` may return that transposed view as is (for a consumer that reduces rows anyway, e.g. the
+    LM head's logits going to argmax/log-softmax: the copy of a 16 x 16384 result cost more than the argmax).
+    """
     if not active(x) or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
         y = y + bias
-    return y.contiguous()
+    return y.contiguous() if contiguous else y
 
 
 def _bias(m: nn.Module) -> torch.Tensor | None:

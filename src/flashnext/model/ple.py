@@ -62,12 +62,12 @@ class PLELayer(nn.Module):
 
     def forward_cached(self, residual: torch.Tensor, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
         """Serving: the n-gram context and the dilated conv continue from `cache` (a `PLECache`)."""
-        ids_ext, pos_ext = step.with_history(input_ids.long(), cache.ctx.index_select(0, step.slots))
+        ids_ext, pos_ext = step.with_history(input_ids.long(), step.gather(cache.ctx))
         real = step.extended(cache.ctx.shape[1])[1]
         rows = self.ple_embedding.hash_ids(ids_ext, pos_ext)[real]
         emb = self.ple_embedding.ngram_embedding(rows).flatten(-2)
         gated = self._gated(residual, emb)
-        conv_in, conv_pos = step.with_history(self.norm_conv(gated), cache.conv.index_select(0, step.slots))
+        conv_in, conv_pos = step.with_history(self.norm_conv(gated), step.gather(cache.conv))
         conv = step.conv(conv_in, conv_pos, self.conv1d.weight.squeeze(1), cache.conv.shape[1], self.dilation)
         step.write_window(cache.ctx, ids_ext)
         step.write_window(cache.conv, conv_in)

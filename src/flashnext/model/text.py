@@ -215,8 +215,9 @@ class FlashNextForCausalLM(nn.Module):
 def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
     """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
-    rows = torch.tensor(last, dtype=torch.long, device=hidden.device)
-    return linear(hidden.index_select(0, rows), lm_head.weight, lm_head.bias)
+    if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
+        hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))
+    return linear(hidden, lm_head.weight, lm_head.bias, contiguous=False)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

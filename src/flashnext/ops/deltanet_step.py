@@ -19,12 +19,14 @@ def gated_delta_step(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance N states by one token each.
 
     Args:
         q, k: [N, H, K] raw (L2-normalised and q-scaled here); v: [N, H, V]; g, beta: [N, H].
         state: fp32 [N, H, K, V], the state before the token.
+        in_place: write the new state over `state` (contiguous fp32; read fully before it is overwritten).
 
     Returns:
         o [N, H, V] in v's dtype and the new fp32 state [N, H, K, V].
@@ -38,6 +40,7 @@ def gated_delta_step(
     # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
     pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
     delta = (v.float() - pred) * beta.float()[..., None]
-    S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V))
+    out = S if in_place else None
+    S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
     o = torch.bmm(q.reshape(N * H, 1, K), S).view(N, H, V)
     return o.to(out_dtype), S.view(N, H, K, V)

@@ -260,7 +260,7 @@ class Engine:
                 rows.append(i)
                 to_sample.append(req)
         if to_sample:
-            finished += self._sample(logits[rows], to_sample)
+            finished += self._sample(logits if len(rows) == logits.shape[0] else logits[rows], to_sample)
         prefill = sum(n for req, n in plan if req.num_cached <= len(req.prompt_ids))
         self.stats.step(prefill, time.perf_counter() - t0, len(to_sample))
         return finished
