@@ -10,7 +10,8 @@ reference runs `generate` on the [b, 32] batch (no padding: equal lengths); ours
 slots. Runs alternate ours/ref (median of `--repeats`), and the generated tokens are compared.
 
 HTTP load (unless `--no-http`): `flashnext serve`'s app on 127.0.0.1 (uvicorn in a thread), concurrency c in
-1, 4, 16, 64: c streaming /v1/completions clients (32-token prompts, 64 tokens) at once; prints output tok/s and
+1, 4, 16, 64: c streaming /v1/completions clients (32-token prompts, 64 tokens) at once, run by `load_client.py`
+in a separate process (as a real client is; sharing this process's GIL inflated TPOT); prints output tok/s and
 the medians of time-to-first-token and time-per-output-token.
 
 OpenMP waiting (`--omp-wait-policy`, applied to both sides, set before torch loads): `default` leaves libgomp's
@@ -169,33 +170,11 @@ def _serve_in_thread(app):
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server
 
 
-async def _one_stream(client, url: str, prompt: list[int]) -> tuple[float, float, int, float]:
-    """(ttft, tpot, output tokens, end time) of one streaming completion."""
-    import json
-
-    body = {"model": "bench", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens + 1  # a chunk per token
-            last = time.perf_counter()
-            first = first or last
-    tpot = (last - first) / max(1, tokens - 1)
-    return first - start, tpot, tokens, last
-
-
 def http_load(model, concurrencies: list[int], vocab: int, seed: int) -> list[str]:
-    """Streaming /v1/completions at each concurrency; output tok/s, median TTFT and TPOT."""
-    import asyncio
-
-    import httpx
+    """Streaming /v1/completions at each concurrency (clients in a separate process: `load_client.py`); output
+    tok/s, median TTFT and TPOT."""
+    import json
+    import subprocess
 
     from flashnext.serve.engine import Engine
     from flashnext.serve.server import build_app
@@ -204,20 +183,22 @@ def http_load(model, concurrencies: list[int], vocab: int, seed: int) -> list[st
     base, server = _serve_in_thread(build_app(engine, "bench"))
     gen = torch.Generator().manual_seed(seed + 1)
     lines = []
-
-    async def run(c: int):
+    for c in concurrencies:
         prompts = torch.randint(0, vocab, (c, PROMPT_LEN), generator=gen).tolist()
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=c)) as client:
-            start = time.perf_counter()
-            res = await asyncio.gather(*(_one_stream(client, f"{base}/v1/completions", p) for p in prompts))
-        wall = max(r[3] for r in res) - start
+        job = {"url": f"{base}/v1/completions", "prompts": prompts, "max_tokens": NEW_TOKENS}
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "load_client.py")], input=json.dumps(job), capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"load client failed at concurrency {c}:\n{proc.stderr[-2000:]}")
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        wall = max(r[3] for r in res)
         toks = sum(r[2] for r in res)
         ttft = statistics.median(r[0] for r in res) * 1000
         tpot = statistics.median(r[1] for r in res) * 1000
-        return f"http concurrency={c} tok/s={toks / wall:.1f} ttft_ms={ttft:.1f} tpot_ms={tpot:.1f}"
-
-    for c in concurrencies:
-        lines.append(asyncio.run(run(c)))
+        line = f"http concurrency={c} tok/s={toks / wall:.1f} ttft_ms={ttft:.1f} tpot_ms={tpot:.1f}"
+        print(line, flush=True)
+        lines.append(line)
     server.should_exit = True
     return lines
 
@@ -263,8 +244,7 @@ def main(argv=None) -> int:
         )
     if not args.no_http:
         del ref
-        for line in http_load(ours, args.concurrency, cfg["vocab_size"], args.seed):
-            print(line, flush=True)
+        http_load(ours, args.concurrency, cfg["vocab_size"], args.seed)
     last = ratios.get(16)
     print(f"batch16_ratio={last:.2f}" if last is not None else "batch16_ratio=nan")
     return 0
