@@ -52,13 +52,12 @@ def _bias(m: nn.Module) -> torch.Tensor | None:
 
 
 def _fused(linears: tuple[nn.Module, ...]):
+    params = [m._parameters.get(name) for m in linears for name in ("weight", "bias")]
     hit = _FUSED.get(linears[0])
     if hit is not None:
-        params, stamp, weight, bias, sizes = hit
-        current = [m._parameters.get(name) for m in linears for name in ("weight", "bias")]
-        if all(a is b for a, b in zip(current, params, strict=True)) and stamp == _stamp(params):
+        cached, stamp, weight, bias, sizes = hit
+        if all(a is b for a, b in zip(params, cached, strict=True)) and stamp == _stamp(params):
             return weight, bias, sizes
-    params = [m._parameters.get(name) for m in linears for name in ("weight", "bias")]
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears]).detach()
         bias = None
