@@ -16,12 +16,18 @@ from flashnext.train.trainer import Trainer
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _data(path, n=16, vocab=64):
+def _data(path, n=16, vocab=64, rl=False):
     gen = torch.Generator().manual_seed(3)
     with open(path, "w") as f:
         for _ in range(n):
             ids = torch.randint(0, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
-            f.write(json.dumps({"input_ids": ids}) + "\n")
+            record = {"input_ids": ids}
+            if rl:  # a rollout: loss on the second half, the engine's log-probs off the model's, an advantage
+                half = len(ids) // 2
+                record["labels"] = [-100] * half + ids[half:]
+                record["inference_logprobs"] = (-torch.rand(len(ids), generator=gen) * 4 - 1).tolist()
+                record["advantages"] = float(torch.randn((), generator=gen))
+            f.write(json.dumps(record) + "\n")
     return path
 
 
@@ -72,3 +78,32 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
     assert last["step"] == 3 and last["loss"] == pytest.approx(two[-1]["loss"], rel=1e-6, abs=1e-7)
     for (name, a), b in zip(single.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)  # sums reduced in another order
+
+
+def test_torchrun_rl_metrics_are_global(small_config, tmp_path):
+    """Under torchrun the `rl/*` metrics are loss-token means over every rank's micro-batches: the same numbers
+    as one process taking the same global batch (not rank 0's own share)."""
+    data = _data(tmp_path / "rl.jsonl", rl=True)
+    common = [
+        f"--data.path={data}",
+        "--data.token_budget=48",
+        "--train.loss=rl",
+        "--log.progress=false",
+        "--train.steps=2",
+        "--checkpoint.export=false",
+        "--model.overrides=" + toml_literal(small_config),
+    ]
+    Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"])).run()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "flashnext.train", *common, f"--out_dir={tmp_path / 'two'}",
+           "--data.micro_batches=2"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    rl_keys = sorted(k for k in one[0] if k.startswith("rl/"))
+    assert "rl/mismatch_kl" in rl_keys
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+        for k in rl_keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k

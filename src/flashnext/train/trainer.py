@@ -291,9 +291,10 @@ class Trainer:
         }
         if self.peak_flops:
             out["mfu"] = flops / seconds / (self.peak_flops * self.ctx.world_size)
-        if rl_sums:  # this rank's loss-token means
-            n = max(sum(local_counts), 1.0)
-            out.update({f"rl/{k}": v / n for k, v in rl_sums.items() if not k.endswith("_tokens")})
+        if rl_sums:  # loss-token means over the whole step: every micro-batch of every rank
+            keys = sorted(k for k in rl_sums if not k.endswith("_tokens"))
+            sums = all_reduce_sum(self.ctx, [rl_sums[k] for k in keys])
+            out.update({f"rl/{k}": v / max(num_loss_tokens, 1.0) for k, v in zip(keys, sums, strict=True)})
         if not math.isfinite(out["loss"]):
             raise FloatingPointError(f"step {self.step}: loss is {out['loss']}")
         return out
