@@ -133,7 +133,10 @@ def gemm_floor(model, batch: int, vocab: int, seed: int, repeats: int = 20) -> f
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in ops:
-                calls.append((func, [a.clone() if isinstance(a, torch.Tensor) else a for a in args], dict(kwargs)))
+                copy = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                calls.append(
+                    (func, copy, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+                )
             return func(*args, **kwargs)
 
     gen = torch.Generator().manual_seed(seed)
