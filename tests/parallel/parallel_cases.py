@@ -137,7 +137,11 @@ def reference_run() -> dict:
 
 
 def muon_step(model, rank: int = 0, world: int = 1) -> tuple[dict, dict, dict]:
-    """One step of `build_optimizer`'s Muon / ExpertMuon / AdamW (made shard-aware): (param deltas, report, opts)."""
+    """One step of `build_optimizer`'s Muon / ExpertMuon / AdamW (made shard-aware): (param deltas, report, opts).
+
+    The report also counts, under "ns_matrices", the [m, n] matrices this rank orthogonalised."""
+    import flashnext.train.optim as optim_module
+
     optimizers, report = build_optimizer(model, OptimConfig(lr=1e-3, muon_lr=0.02, max_grad_norm=0))
     shard_aware_optimizers(optimizers)
     before = full_params(model)
@@ -145,11 +149,22 @@ def muon_step(model, rank: int = 0, world: int = 1) -> tuple[dict, dict, dict]:
     for m in range(MICRO):
         ids, labels, cu = pack(micro_batch(0, m)[rank::world])
         sft_loss(model(ids, cu_seqlens=cu).logits, labels, cu, count).backward()
-    for opt in optimizers.values():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    ns = optim_module.batched_newton_schulz
+    matrices = []
+
+    def counting(grad, *args, **kwargs):
+        matrices.append(grad.shape[0])
+        return ns(grad, *args, **kwargs)
+
+    optim_module.batched_newton_schulz = counting
+    try:
+        for opt in optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        optim_module.batched_newton_schulz = ns
     after = full_params(model)
-    return {k: after[k] - before[k] for k in after}, report, optimizers
+    return {k: after[k] - before[k] for k in after}, {**report, "ns_matrices": sum(matrices)}, optimizers
 
 
 def full_optim_state(model, optimizers) -> dict[str, torch.Tensor]:
@@ -207,7 +222,7 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
 
     # build_optimizer's Muon/ExpertMuon/AdamW on FSDP2 shards, then a save/load round trip of their states.
     muon_model = meta_parallel_model(SEED, ctx.mesh)
-    muon_delta, _, muon_opts = muon_step(muon_model, rank, world)
+    muon_delta, muon_report, muon_opts = muon_step(muon_model, rank, world)
     save_state(root / f"muon_ws{world}", muon_model, muon_opts)
     muon_states = full_optim_state(muon_model, muon_opts)
     again = meta_parallel_model(None, ctx.mesh)
@@ -223,6 +238,7 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
         load_state(restore_from, other, {"adamw": other_opt})
         out["other_mid"] = full_params(other)
         out["other_log"] = train_steps(other, other_opt, range(SAVE_AFTER, STEPS), rank, world)
+    out["ns_matrices"] = muon_report["ns_matrices"]
     if rank == 0:
         out.update(muon_delta=muon_delta, muon_states=muon_states, muon_restored=muon_restored)
         out.update(

@@ -143,6 +143,17 @@ def test_muon_and_expert_muon_step_on_fsdp_shards(world, root):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_muon_orthogonalises_each_matrix_once_across_ranks(world, root):
+    """Newton-Schulz runs on each matrix's owner rank only: the ranks' counts add up to one process's count, and
+    the work is dealt out (no rank does it all once there is more than one matrix per rank)."""
+    _, report = pc.reference_muon_step()
+    counts = [r["ns_matrices"] for r in results(world, root)]
+    assert sum(counts) == report["ns_matrices"] > 0
+    if world > 1:
+        assert max(counts) < report["ns_matrices"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_muon_states_round_trip_through_dcp(world, root):
     r = results(world, root)[0]
     params, states, saved_params = r["muon_restored"]
