@@ -31,6 +31,16 @@ def _data(path, n=16, vocab=64, rl=False):
     return path
 
 
+def _torchrun_2(args: list[str], out_dir) -> None:
+    """`torchrun --nproc-per-node 2 -m flashnext.train` (gloo) with 2 micro-batches per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "flashnext.train", *args, f"--out_dir={out_dir}",
+           "--data.micro_batches=2"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -53,12 +63,7 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
     single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"]))
     single.run()
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "flashnext.train", *common, f"--out_dir={tmp_path / 'two'}",
-           "--data.micro_batches=2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _torchrun_2(common, tmp_path / "two")
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [m["step"] for m in two] == [1, 2, 3]  # rank 0 alone writes metrics
     for a, b in zip(one, two, strict=True):
@@ -94,12 +99,7 @@ def test_torchrun_rl_metrics_are_global(small_config, tmp_path):
         "--model.overrides=" + toml_literal(small_config),
     ]
     Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"])).run()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "flashnext.train", *common, f"--out_dir={tmp_path / 'two'}",
-           "--data.micro_batches=2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _torchrun_2(common, tmp_path / "two")
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     rl_keys = sorted(k for k in one[0] if k.startswith("rl/"))
     assert "rl/mismatch_kl" in rl_keys
