@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from serve_helpers import running_server
 
 from flashnext.serve.engine import Engine
 from flashnext.serve.loading import load_for_serving
@@ -26,21 +24,8 @@ def server():
     """The tiny default model (seeded weights + bundled tokenizer) served on a free 127.0.0.1 port."""
     model, tok, name = load_for_serving(None)
     engine = Engine(model, tok, max_slots=8, max_model_len=MAX_LEN, max_num_batched_tokens=64)
-    app = build_app(engine, name, api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield base, name, engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with running_server(build_app(engine, name, api_key=KEY)) as base:
+        yield base, name, engine
 
 
 @pytest.fixture(scope="module")
