@@ -5,7 +5,7 @@ Legend: T = tokens in the flat stream, N = sequences, B/S = padded batch/sequenc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,7 @@ class Segments:
         lengths: host list of the N sequence lengths.
         cu_host: host list copy of `cu_seqlens` (read once; no device sync afterwards).
         pos_in_seq: int64 [T], offset of each token from its sequence start (independent of `position_ids`).
+        memo: derived index maps built on first use (see `history_layout`), so the layers of one forward share them.
     """
 
     cu_seqlens: torch.Tensor
@@ -35,10 +36,80 @@ class Segments:
     lengths: list[int]
     cu_host: list[int]
     pos_in_seq: torch.Tensor
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return self.seq_idx.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one token (a serving decode step): the single-token paths apply."""
+        return self.max_seqlen == 1 and len(self.lengths) == self.num_tokens
+
+
+@dataclass
+class HistoryLayout:
+    """Index maps of a stream extended by W history rows before every sequence (see `prepend_history`).
+
+    Attributes:
+        pos: int64 [T + N*W], offset of every extended row from its extended sequence's start.
+        real: int64 [T], the extended row of every token of the stream.
+        head: int64 [N, W], the extended rows of each sequence's history.
+        tail: int64 [N, W], each extended sequence's last W rows (the history that follows it).
+    """
+
+    pos: torch.Tensor
+    real: torch.Tensor
+    head: torch.Tensor
+    tail: torch.Tensor
+
+
+def history_layout(seg: Segments, W: int) -> HistoryLayout:
+    """The `HistoryLayout` of `seg` with W history rows per sequence (host math; memoised on `seg`)."""
+    key = ("history", W)
+    if key not in seg.memo:
+        lengths = seg.lengths
+        N = len(lengths)
+        ext_len = torch.tensor([n + W for n in lengths], dtype=torch.long)
+        ext_start = torch.cumsum(ext_len, 0) - ext_len
+        total = int(ext_len.sum())
+        seq = torch.repeat_interleave(torch.arange(N), ext_len, output_size=total)
+        pos = torch.arange(total) - ext_start[seq]
+        tok_seq = torch.repeat_interleave(torch.arange(N), torch.tensor(lengths, dtype=torch.long))
+        real = tok_seq * W + torch.arange(seg.num_tokens) + W
+        head = ext_start[:, None] + torch.arange(W)
+        tail = (ext_start + ext_len - W)[:, None] + torch.arange(W)
+        dev = seg.seq_idx.device
+        seg.memo[key] = HistoryLayout(*(t.to(dev) for t in (pos, real, head, tail)))
+    return seg.memo[key]
+
+
+def prepend_history(x: torch.Tensor, hist: torch.Tensor, seg: Segments) -> tuple[torch.Tensor, HistoryLayout]:
+    """Put each sequence's W history rows before its rows: the stream a windowed op sees across steps.
+
+    Args:
+        x: [T, *C] rows of the stream; hist: [N, W, *C] rows that precede each sequence (cast to x's dtype).
+
+    Returns:
+        x_ext [T + N*W, *C] and the stream's `HistoryLayout` (ext row `layout.real[t]` is token t).
+    """
+    N, W = hist.shape[:2]
+    layout = history_layout(seg, W)
+    if seg.is_decode:  # [history, token] per sequence is already the extended order
+        return torch.cat([hist.to(x.dtype), x.unsqueeze(1)], dim=1).flatten(0, 1), layout
+    x_ext = x.new_empty(x.shape[0] + N * W, *x.shape[1:])
+    x_ext.index_copy_(0, layout.real, x)
+    x_ext.index_copy_(0, layout.head.flatten(), hist.reshape(N * W, *x.shape[1:]).to(x.dtype))
+    return x_ext, layout
+
+
+def last_rows(x_ext: torch.Tensor, layout: HistoryLayout, seg: Segments) -> torch.Tensor:
+    """Each extended sequence's last W rows: [N, W, *C] (the history of the next step). x_ext: [T + N*W, *C]."""
+    N, W = layout.tail.shape
+    if seg.is_decode:  # rows 1..W of each [W + 1]-row block
+        return x_ext.view(N, W + 1, *x_ext.shape[1:])[:, 1:]
+    return x_ext.index_select(0, layout.tail.flatten()).view(N, W, *x_ext.shape[1:])
 
 
 def make_segments(

@@ -1,4 +1,7 @@
-"""Serving fast paths of the model layers against their plain twins: fused projections, skinny GEMMs, MoE."""
+"""Serving fast paths of the model layers against their plain twins: fused projections, skinny GEMMs, MoE.
+
+The fast paths are explicit: a `Group` computes its members separately unless called with `fused=True`, and fused
+weights exist only after `prepare` (what `serve.prepare_for_inference` does)."""
 
 from __future__ import annotations
 
@@ -23,40 +26,67 @@ def _separate(x, mods):
     return [F.linear(x, m.weight, getattr(m, "bias", None)) for m in mods]
 
 
+def _group(bias: bool) -> tuple[fused.Group, tuple[nn.Module, ...]]:
+    mods = _linears(bias)
+    group = fused.Group(*mods)
+    group.build()
+    return group, mods
+
+
 @pytest.mark.parametrize("rows", [1, 16, 100], ids=["one", "skinny", "wide"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_project_equals_separate_linears(rows, bias):
-    mods = _linears(bias)
+def test_fused_group_equals_separate_linears(rows, bias):
+    group, mods = _group(bias)
     x = torch.randn(rows, 12, dtype=torch.float64)
     with torch.no_grad():
-        got = fused.project(x, *mods)
+        got = group(x, fused=True)
     for a, b in zip(got, _separate(x, mods), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_project_with_autograd_calls_each_module():
-    """Training path: every nn.Linear runs as a module call (hooks, FLOP attribution, FSDP), gradients flow."""
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no_grad"])
+def test_plain_path_calls_each_module(grad):
+    """The plain path (training, and any forward without serving state, with or without autograd): every
+    nn.Linear runs as a module call (hooks, FLOP attribution, FSDP), no fused weight is needed or read."""
     mods = _linears(True)
-    x = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+    group = fused.Group(*mods)  # never built: a fused call would raise
+    x = torch.randn(4, 12, dtype=torch.float64, requires_grad=grad)
     calls = []
     for m in mods:
         m.register_forward_hook(lambda mod, *_: calls.append(mod))
-    out = fused.project(x, *mods)
+    with torch.set_grad_enabled(grad):
+        out = group(x)
     assert calls == [m for m in mods if isinstance(m, nn.Linear)]
     for a, b in zip(out, _separate(x, mods), strict=True):
         assert torch.equal(a, b)
-    sum(o.sum() for o in out).backward()
-    assert all(m.weight.grad is not None for m in mods)
+    if grad:
+        sum(o.sum() for o in out).backward()
+        assert all(m.weight.grad is not None for m in mods)
+    with pytest.raises(RuntimeError, match="prepare_for_inference"):
+        group(x.detach(), fused=True)
+
+
+def test_prepare_builds_every_group_of_a_model(small_config):
+    """`prepare` finds the layers' groups: per layer its mixer's, two hyper-connections' and the MoE's; per PLE
+    part one; and the final stream mixer's."""
+    from flashnext.config import parse_config
+    from flashnext.model.text import FlashNextForCausalLM
+
+    model = FlashNextForCausalLM(parse_config(small_config).text)
+    cfg = model.config
+    expected = cfg.num_hidden_layers * 4 + len(cfg.ple_layer_ids) + 1  # mixer, 2 hyper, MoE; PLE; final mixer
+    assert fused.prepare(model) == expected
+    assert all(g._built is not None for g in fused.groups(model))
 
 
 def test_fused_weight_follows_in_place_updates():
     """The concatenated weight is rebuilt after an optimizer step, a load_state_dict or a `.data` swap."""
-    mods = _linears(True)
+    group, mods = _group(True)
     x = torch.randn(3, 12, dtype=torch.float64)
 
     def check():
         with torch.no_grad():
-            got = fused.project(x, *mods)
+            got = group(x, fused=True)
         for a, b in zip(got, _separate(x, mods), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -80,21 +110,22 @@ def test_skinny_linear_equals_f_linear(contiguous):
     for rows in (1, 5, fused.SKINNY_ROWS, fused.SKINNY_ROWS + 1):
         x = torch.randn(rows, 40, dtype=torch.float64)
         with torch.no_grad():
-            got = fused.linear(x, w, b, contiguous=contiguous)
+            got = fused.linear(x, w, b, fused=True, contiguous=contiguous)
         assert got.is_contiguous() or not contiguous
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("T", [1, 3, 40])
 def test_moe_serving_path_equals_training_path(T):
-    """SparseMoE without autograd (fused router/shared projections, transposed expert GEMMs) == with autograd."""
+    """SparseMoE's fused path (router/shared projections as one GEMM, transposed expert GEMMs) == the plain path."""
     torch.manual_seed(3)
     moe = SparseMoE(_cfg(E=6, k=2)).double()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
+    fused.prepare(moe)
     x = torch.randn(T, 8, dtype=torch.float64)
     with torch.no_grad():
-        out, experts = moe(x)
+        out, experts = moe(x, fused=True)
     ref, ref_experts = moe(x.clone().requires_grad_())
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
@@ -106,6 +137,6 @@ def test_transposed_expert_gemms_equal_plain(rows):
     gate_up, down = torch.randn(5, 10, 8, dtype=torch.float64), torch.randn(5, 8, 5, dtype=torch.float64)
     x = torch.randn(5, rows, 8, dtype=torch.float64)
     with torch.no_grad():
-        got = Experts._swiglu(x, gate_up, down)
+        got = Experts._swiglu(x, gate_up, down, fused=True)
     gate, up = (x @ gate_up.transpose(1, 2)).chunk(2, dim=-1)
     torch.testing.assert_close(got, (F.silu(gate) * up) @ down.transpose(1, 2), rtol=1e-12, atol=1e-12)

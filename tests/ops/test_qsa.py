@@ -1,10 +1,11 @@
-"""Vectorised QSA (selection + sparse attention) == the query-by-query spec in `ops.qsa_ref`."""
+"""Vectorised QSA (selection + sparse attention), over a stream and over a per-slot cache, == the query-by-query
+spec in `ops.qsa_ref`."""
 
 import pytest
 import torch
 
 from flashnext.batch import make_segments
-from flashnext.ops import qsa
+from flashnext.ops import qsa, qsa_cached
 from flashnext.ops.qsa_ref import select_tokens_ref, sparse_attention_ref
 
 
@@ -18,7 +19,7 @@ def _case(lens, Hi=4, Di=8, ratio=4, seed=0, quantize=False):
     if quantize:  # coarse values: many exactly equal block scores, exercising the tie rule
         idx_q, raw_k = idx_q.sign().clamp_min(0), raw_k.sign().clamp_min(0)
     starts = qsa.complete_blocks(seg, ratio)
-    keys = qsa.pool_block_keys(raw_k, starts, ratio)
+    keys = qsa.pool_blocks(raw_k[qsa.block_rows(starts, ratio)])
     return seg, idx_q, keys, starts
 
 
@@ -69,3 +70,52 @@ def test_sparse_attention_matches_reference(groups, monkeypatch):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize(
+    ("lens", "queries"),
+    [([3], [3]), ([1, 9, 30], [1, 1, 1]), ([13, 40, 4], [5, 17, 4]), ([25, 25], [25, 1])],
+    ids=["short-prefill", "decode", "chunks", "whole-and-decode"],
+)
+@pytest.mark.parametrize(("ratio", "topk"), [(4, 3), (2, 1), (8, 2)])
+@pytest.mark.parametrize("quantize", [False, True], ids=["random", "ties"])
+def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, monkeypatch):
+    """Queries continuing cached sequences (the last `queries[i]` tokens of slot i) select and attend exactly as the
+    spec over each whole sequence: the cache's block keys, rows-as-positions layout and tail all agree."""
+    g = torch.Generator().manual_seed(7)
+    Hi, Di, H, Hkv, D = 3, 8, 4, 2, 8
+    S, Lc = len(lens), (max(lens) // ratio + 1) * ratio
+    k_cache, v_cache = torch.zeros(S, Lc, Hkv, D, dtype=torch.float64), torch.zeros(S, Lc, Hkv, D, dtype=torch.float64)
+    block_keys = torch.zeros(S, Lc // ratio, Di, dtype=torch.float64)
+    q_rows, iq_rows, slot_rows, pos_rows, expected = [], [], [], [], []
+    for slot, (L, n) in enumerate(zip(lens, queries, strict=True)):
+        seg = make_segments(torch.tensor([0, L], dtype=torch.int32), L)
+        idx_q = torch.randn(L, Hi, Di, generator=g, dtype=torch.float64)
+        raw_k = torch.randn(L, Di, generator=g, dtype=torch.float64)
+        if quantize:
+            idx_q, raw_k = idx_q.sign().clamp_min(0), raw_k.sign().clamp_min(0)
+        q = torch.randn(L, H, D, generator=g, dtype=torch.float64)
+        k, v = (
+            torch.randn(L, Hkv, D, generator=g, dtype=torch.float64),
+            torch.randn(L, Hkv, D, generator=g, dtype=torch.float64),
+        )
+        starts = qsa.complete_blocks(seg, ratio)
+        keys = qsa.pool_blocks(raw_k[qsa.block_rows(starts, ratio)])
+        chosen = select_tokens_ref(idx_q, keys, starts, seg.seq_start, ratio, topk)
+        expected.append(sparse_attention_ref(q, k, v, chosen, 0.3)[L - n :])
+        k_cache[slot, :L], v_cache[slot, :L], block_keys[slot, : keys.shape[0]] = k, v, keys
+        q_rows.append(q[L - n :])
+        iq_rows.append(idx_q[L - n :])
+        slot_rows.append(torch.full((n,), slot))
+        pos_rows.append(torch.arange(L - n, L))
+    tok_slot, tok_pos = torch.cat(slot_rows), torch.cat(pos_rows)
+    monkeypatch.setattr(qsa_cached, "SCORE_BUDGET", 40)  # several query chunks on both kernels
+    monkeypatch.setattr(qsa_cached, "GATHER_BUDGET", 700)
+    max_visible = max(L // ratio for L in lens)
+    blocks, ok = qsa_cached.select_blocks_cached(
+        torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk
+    )
+    out = qsa_cached.sparse_attention_cached(
+        torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio
+    )
+    torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-6)

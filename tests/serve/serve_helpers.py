@@ -11,18 +11,20 @@ import torch
 import uvicorn
 
 from flashnext.config import parse_config
-from flashnext.model.cached import make_step
+from flashnext.model.state import make_step
 from flashnext.model.text import FlashNextForCausalLM
+from flashnext.serve import prepare_for_inference
 
 
 def small_model(cfg_dict: dict, seed: int = 0) -> FlashNextForCausalLM:
+    """Prepared for serving; its forward without state is still the plain path (the twins' reference)."""
     model = FlashNextForCausalLM(parse_config(cfg_dict).text).eval()
     model.init_weights(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    return prepare_for_inference(model)
 
 
 def run_step(model, cache, entries: list[tuple[int, int, list[int]]]) -> torch.Tensor:

@@ -34,7 +34,7 @@ def test_step_matches_full_forward(model, chunks):
     ids = _rand(37, 1)
     with torch.no_grad():
         full = model(torch.tensor(ids)).logits
-    cache = StateCache(model.config, max_slots=2, max_model_len=64)
+    cache = StateCache(model, max_slots=2, max_model_len=64)
     got = _feed(model, cache, cache.allocate(), ids, chunks)
     ends = torch.tensor(chunks).cumsum(0) - 1
     torch.testing.assert_close(torch.stack(got), full[ends], atol=1e-5, rtol=1e-5)
@@ -42,7 +42,7 @@ def test_step_matches_full_forward(model, chunks):
 
 def test_chunked_prefill_equals_one_shot_state(model):
     ids = _rand(30, 2)
-    a, b = (StateCache(model.config, max_slots=1, max_model_len=64) for _ in range(2))
+    a, b = (StateCache(model, max_slots=1, max_model_len=64) for _ in range(2))
     la = _feed(model, a, a.allocate(), ids, [30])[-1]
     lb = _feed(model, b, b.allocate(), ids, [7, 1, 13, 9])[-1]
     torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
@@ -55,9 +55,9 @@ def test_mixed_batch_equals_alone(model):
     ids = [_rand(n, 10 + n) for n in (9, 17, 4)]
     alone = []
     for seq in ids:
-        cache = StateCache(model.config, max_slots=1, max_model_len=64)
+        cache = StateCache(model, max_slots=1, max_model_len=64)
         alone.append(_feed(model, cache, cache.allocate(), seq, [len(seq) - 1, 1]))
-    cache = StateCache(model.config, max_slots=3, max_model_len=64)
+    cache = StateCache(model, max_slots=3, max_model_len=64)
     slots = [cache.allocate() for _ in ids]
     first = run_step(model, cache, [(s, 0, seq[:-1]) for s, seq in zip(slots, ids, strict=True)])
     last = run_step(model, cache, [(s, len(seq) - 1, seq[-1:]) for s, seq in zip(slots, ids, strict=True)])
@@ -67,7 +67,7 @@ def test_mixed_batch_equals_alone(model):
 
 
 def _three_slot_caches(model, n: int) -> list[StateCache]:
-    caches = [StateCache(model.config, max_slots=3, max_model_len=64) for _ in range(n)]
+    caches = [StateCache(model, max_slots=3, max_model_len=64) for _ in range(n)]
     for cache in caches:
         for s in range(3):
             cache.allocate()
@@ -107,9 +107,9 @@ def test_padding_entries_are_inert(model):
 
 def test_slot_reuse_leaves_no_trace(model):
     ids = _rand(21, 7)
-    fresh = StateCache(model.config, max_slots=2, max_model_len=64)
+    fresh = StateCache(model, max_slots=2, max_model_len=64)
     expected = _feed(model, fresh, fresh.allocate(), ids, [13, 8])
-    cache = StateCache(model.config, max_slots=2, max_model_len=64)
+    cache = StateCache(model, max_slots=2, max_model_len=64)
     slot = cache.allocate()
     _feed(model, cache, slot, _rand(40, 8), [40])
     cache.release(slot)
@@ -121,7 +121,7 @@ def test_slot_reuse_leaves_no_trace(model):
 
 
 def test_buffers_keep_shapes_and_addresses(model):
-    cache = StateCache(model.config, max_slots=2, max_model_len=32)
+    cache = StateCache(model, max_slots=2, max_model_len=32)
     before = [(b.data_ptr(), b.shape) for b in cache.buffers()]
     slot = cache.allocate()
     _feed(model, cache, slot, _rand(20, 9), [9, 1, 10])
@@ -132,7 +132,7 @@ def test_buffers_keep_shapes_and_addresses(model):
 def test_decode_step_segments_equal_make_segments():
     """make_step's decode shortcut builds the same Segments as the general path."""
     from flashnext.batch import make_segments
-    from flashnext.model.cached import make_step
+    from flashnext.model.state import make_step
 
     cached = [5, 0, 17]
     step = make_step([0, 1, 2, 3], [2, 0, 1], cached, scratch_slot=3)
@@ -148,7 +148,7 @@ def test_decode_step_segments_equal_make_segments():
     ids=["all", "tail", "unordered", "gap", "padding"],
 )
 def test_slot_run_detection(slots, run):
-    from flashnext.model.cached import make_step
+    from flashnext.model.state import make_step
 
     step = make_step(list(range(len(slots) + 1)), slots, [4] * len(slots), scratch_slot=3)
     assert step.slot_run == run
@@ -158,7 +158,7 @@ def test_slot_run_detection(slots, run):
 def test_slot_run_path_equals_indexed_path(model, tokens):
     """A batch on consecutive slots reads/writes state as cache slices (in place): same logits and states as
     the gather/scatter path, bit for bit."""
-    from flashnext.model.cached import make_step
+    from flashnext.model.state import make_step
 
     a, b = _three_slot_caches(model, 2)
     entries = [(s, 6 + s, _rand(tokens, 30 + s)) for s in range(3)]
@@ -177,3 +177,44 @@ def test_slot_run_path_equals_indexed_path(model, tokens):
     assert torch.equal(outs[0], outs[1])
     for x, y in zip(a.buffers(), b.buffers(), strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 5], ids=["none", "some", "all"])
+def test_rollback_to_accepted_length_equals_never_seen(model, accepted):
+    """Speculative decoding's rollback on the plain step: snapshot, a step with 5 draft tokens (crossing QSA
+    blocks), restore, then feed the accepted drafts with the continuation. The slot then computes what a slot that
+    never saw the rejected drafts computes, and its window/recurrent state equals that slot's; nothing the rejected
+    drafts wrote (keys, values, raw and block keys past the accepted length) is visible to later queries.
+
+    Same model instance, same slot, same step shapes in both caches: equal up to fp32 rounding (1e-6), not asserted
+    bitwise since the two caches' buffers sit at different addresses (CPU GEMM paths may depend on alignment)."""
+    prefix, drafts, more = _rand(13, 40), _rand(5, 41), _rand(6, 42)
+    seen, fresh = (StateCache(model, max_slots=1, max_model_len=64) for _ in range(2))
+    for cache in (seen, fresh):
+        _feed(model, cache, cache.allocate(), prefix, [13])
+    snap = seen.snapshot([0])
+    run_step(model, seen, [(0, 13, drafts)])  # the verify step: every draft's state written
+    seen.restore(snap)
+    keep = drafts[:accepted] + more
+    got = [run_step(model, seen, [(0, 13, keep)])[0]]
+    want = [run_step(model, fresh, [(0, 13, keep)])[0]]
+    for i, tok in enumerate(_rand(4, 43)):  # decode on: positional rows past the length are rewritten first
+        got.append(run_step(model, seen, [(0, 13 + len(keep) + i, [tok])])[0])
+        want.append(run_step(model, fresh, [(0, 13 + len(keep) + i, [tok])])[0])
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=1e-6)
+    non_positional = [b for b, kind in seen._kinds if kind != "positional"]
+    for x, y in zip(seen.buffers(), fresh.buffers(), strict=True):
+        if any(x is b for b in non_positional):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def test_rollback_without_restore_diverges(model):
+    """The control: feeding the continuation over the drafts' state (no restore) gives different logits."""
+    prefix, drafts, more = _rand(13, 40), _rand(5, 41), _rand(6, 42)
+    seen, fresh = (StateCache(model, max_slots=1, max_model_len=64) for _ in range(2))
+    for cache in (seen, fresh):
+        _feed(model, cache, cache.allocate(), prefix, [13])
+    run_step(model, seen, [(0, 13, drafts)])
+    got = run_step(model, seen, [(0, 13, more)])[0]
+    want = run_step(model, fresh, [(0, 13, more)])[0]
+    assert (got - want).abs().max() > 1e-3

@@ -1,6 +1,13 @@
 """Gated full attention restricted by the QSA indexer (selected blocks + open tail), on a flat stream.
 
-Legend: T tokens, H query heads, Hkv key/value heads, D head dim, Hi/Di indexer heads/dim, c compress ratio.
+One forward for training and serving. Without state the keys and values come from the stream itself
+(`ops.qsa`); with serving state (`QSAState`: rows by position) the step's keys, values and raw indexer keys are
+written at their positions first, every block that completes in the step is pooled once, and each query attends
+over its slot's selected blocks read from the cache (`ops.qsa_cached`). Both rank blocks with `ops.qsa.rank_blocks`
+and pool them with `QSAIndexer.block_keys`, so training and serving select the same tokens.
+
+Legend: T tokens, H query heads, Hkv key/value heads, D head dim, Hi/Di indexer heads/dim, c compress ratio,
+NB blocks.
 """
 
 from __future__ import annotations
@@ -10,15 +17,15 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
-from flashnext.model.cached import StepBatch
-from flashnext.model.fused import linear, project
+from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
+from flashnext.model.state import POSITIONAL, QSAState, StateSpec, StepState
 from flashnext.ops import qsa, qsa_cached
 
 
 class QSAIndexer(nn.Module):
-    """Scores mean-pooled key blocks per query and returns the tokens each query attends to.
+    """Scores mean-pooled key blocks per query and returns the tokens (or cached blocks) each query attends to.
 
     The selection is a discrete choice, so no gradient flows into the indexer (it is frozen in training).
     """
@@ -33,44 +40,53 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    @torch.compiler.disable  # block layout from host lengths: opaque to torch.compile (see train/compile.py)
+    def block_keys(self, raw_blocks: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Keys of complete blocks: pooled raw keys [NB, c, Di], normed, rotated at each block's first position
+        (cos/sin [NB, R]) -> [NB, Di]."""
+        keys = self.k_layernorm(qsa.pool_blocks(raw_blocks))
+        return apply_rotary(keys.unsqueeze(1), cos, sin).squeeze(1)
+
+    @torch.compiler.disable  # block layout from host lengths: opaque to torch.compile (see flashnext.compile)
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments):
-        """x: [T, D_model] -> (sel [T, n], ok [T, n]) flat token indices to attend."""
-        T = x.shape[0]
-        qk = self.index_qk_proj(x)
-        q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
-        raw_k = qk[:, self.n_heads * self.head_dim :]
-        q = apply_rotary(self.q_layernorm(q), cos, sin)
-        starts = qsa.complete_blocks(seg, self.ratio)
-        keys = self.k_layernorm(qsa.pool_block_keys(raw_k, starts, self.ratio))
-        keys = apply_rotary(keys.unsqueeze(1), cos[starts], sin[starts]).squeeze(1)
-        return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seg: Segments,
+        state: StepState[QSAState] | None = None,
+        qk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selection of every query of x [T, D].
 
-    @torch.no_grad()
-    def forward_cached(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
-        """Serving: store raw keys, pool blocks that complete in this step (once), select per query.
+        `qk`: `index_qk_proj(x)` [T, (Hi + 1) * Di] when the caller computed it already (the fused serving
+        projection); else it is computed here, without gradient (the indexer is frozen).
 
-        Args:
-            qk: [T, (Hi + 1) * Di], the `index_qk_proj` of the layer input (fused with the attention's own).
-
-        Returns (blocks [T, kb], ok [T, kb]): block indices within each query's slot.
+        Returns:
+            Without state: (sel [T, n], ok [T, n]) flat token indices of the stream to attend.
+            With state: (blocks [T, kb], ok [T, kb]) block indices within each query's slot; the step's raw keys
+            are stored and the blocks it completes pooled into the cache first.
         """
+        qk = self.index_qk_proj(x) if qk is None else qk
         T = qk.shape[0]
         q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
         raw_k = qk[:, self.n_heads * self.head_dim :]
         q = apply_rotary(self.q_layernorm(q), cos, sin)
-        flat = step.tok_slot * cache.raw_k.shape[1] + step.seg.position_ids
+        if state is None:
+            starts = qsa.complete_blocks(seg, self.ratio)
+            keys = self.block_keys(raw_k[qsa.block_rows(starts, self.ratio)], cos[starts], sin[starts])
+            return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
+        step, cache = state.step, state.bufs
+        flat = step.tok_slot * cache.raw_k.shape[1] + seg.position_ids
         cache.raw_k.view(-1, self.head_dim).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
         blk_slot, blk_idx, blk_cos, blk_sin = step.new_blocks
         if blk_idx.numel():
             S, Lc, Di = cache.raw_k.shape
-            pooled = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
-            keys = self.k_layernorm(pooled.float().mean(1).to(raw_k.dtype))
-            keys = apply_rotary(keys.unsqueeze(1), blk_cos, blk_sin).squeeze(1)
+            raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
+            keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin)
             cache.block_k[blk_slot, blk_idx] = keys.to(cache.block_k.dtype)
         return qsa_cached.select_blocks_cached(
-            q, cache.block_k, step.tok_slot, step.seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk
+            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk
         )
 
 
@@ -89,34 +105,52 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, eps=cfg.rms_norm_eps)
         self.indexer = QSAIndexer(cfg)
+        self.in_proj = Group(self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: [T, D] -> rotated q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], gate [T, H*Dh]."""
-        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+    def state_spec(self, max_len: int) -> QSAState:
+        """Per-sequence state, rows by position, for sequences of up to `max_len` tokens."""
+        c, Di = self.indexer.ratio, self.indexer.head_dim
+        rows = (max_len // c + 1) * c
+        return QSAState(
+            k=StateSpec((rows, self.hkv, self.d), kind=POSITIONAL),
+            v=StateSpec((rows, self.hkv, self.d), kind=POSITIONAL),
+            raw_k=StateSpec((rows, Di), kind=POSITIONAL),
+            block_k=StateSpec((rows // c, Di), kind=POSITIONAL),
+        )
 
     def _heads(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Projections qg [T, H*Dh*2], k, v [T, Hkv*Dh] -> rotated, normed heads (as `project`)."""
+        """Projections qg [T, H*Dh*2], k, v [T, Hkv*Dh] -> rotated, normed q [T, H, Dh], k, v [T, Hkv, Dh] and
+        the output gate [T, H*Dh]."""
         T = qg.shape[0]
         q, gate = qg.reshape(T, self.h, 2 * self.d).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), cos, sin)
         return q, k, v.reshape(T, self.hkv, self.d), gate.reshape(T, self.h * self.d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
-        sel, ok = self.indexer(x, cos, sin, seg)
-        q, k, v, gate = self.project(x, cos, sin)
-        o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, self.indexer.ratio)
-        return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
-
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, cache):
-        """Serving: write this step's keys/values into `cache` (a `QSACache`), attend over the cached selection."""
-        qg, k, v, qk = project(x, self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
-        blocks, ok = self.indexer.forward_cached(qk, cos, sin, step, cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seg: Segments,
+        state: StepState[QSAState] | None = None,
+    ) -> torch.Tensor:
+        """x: [T, D] -> [T, D]. With `state` (serving), queries attend over their slots' cached keys/values."""
+        fused = state is not None
+        if fused:  # the indexer's projection joins the fused GEMM
+            qg, k, v, qk = self.in_proj(x, fused=True)
+        else:
+            qg, k, v, qk = self.q_proj(x), self.k_proj(x), self.v_proj(x), None
         q, k, v, gate = self._heads(qg, k, v, cos, sin)
-        flat = step.tok_slot * cache.k.shape[1] + step.seg.position_ids
-        cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))
-        cache.v.view(-1, self.hkv, self.d).index_copy_(0, flat, v.to(cache.v.dtype))
-        o = qsa_cached.sparse_attention_cached(
-            q, cache.k, cache.v, step.tok_slot, step.seg.position_ids, blocks, ok, self.scale, self.indexer.ratio
-        )
-        return linear(o.flatten(-2) * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias)
+        c = self.indexer.ratio
+        if state is None:
+            sel, ok = self.indexer(x, cos, sin, seg)
+            o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, c)
+        else:
+            blocks, ok = self.indexer(x, cos, sin, seg, state, qk=qk)
+            cache, tok_slot, rows = state.bufs, state.step.tok_slot, seg.position_ids
+            flat = tok_slot * cache.k.shape[1] + rows
+            cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))
+            cache.v.view(-1, self.hkv, self.d).index_copy_(0, flat, v.to(cache.v.dtype))
+            o = qsa_cached.sparse_attention_cached(q, cache.k, cache.v, tok_slot, rows, blocks, ok, self.scale, c)
+        return apply_linear(self.o_proj, o.flatten(-2) * torch.sigmoid(gate), fused)

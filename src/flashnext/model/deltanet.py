@@ -1,6 +1,9 @@
-"""Gated DeltaNet linear attention on a flat stream (chunked for prefill/training).
+"""Gated DeltaNet linear attention on a flat stream: one forward for training and serving.
 
-Legend: T tokens, Hk key heads, Hv value heads, Dk/Dv head dims.
+Serving passes `state` (its conv window and recurrent state); the ops take them in and return them out, and pick
+their kernels by shape (chunked for prefill, the single-token recurrence for a decode step).
+
+Legend: T tokens, N sequences, Hk key heads, Hv value heads, Dk/Dv head dims.
 """
 
 from __future__ import annotations
@@ -11,12 +14,11 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
-from flashnext.model.cached import StepBatch
-from flashnext.model.fused import linear, project
+from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import GatedRMSNorm
+from flashnext.model.state import RECURRENT, WINDOW, GDNState, StateSpec, StepState
 from flashnext.ops.conv import causal_conv1d_varlen
-from flashnext.ops.deltanet import chunk_gated_delta_rule
-from flashnext.ops.deltanet_step import gated_delta_step
+from flashnext.ops.deltanet import gated_delta_rule
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,16 +47,15 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(D, value_dim, bias=False)
         self.in_proj_b = nn.Linear(D, self.hv, bias=False)
         self.in_proj_a = nn.Linear(D, self.hv, bias=False)
+        self.in_proj = Group(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def project(self, x: torch.Tensor, seg: Segments):
-        """Everything before the recurrence: returns q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], z."""
-        qkv, z, b, a = self._in_proj(x)
-        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), seg.pos_in_seq)
-        return self._heads(F.silu(qkv).to(x.dtype), z, b, a)
-
-    def _in_proj(self, x: torch.Tensor):
-        """The four input projections of x [T, D]: pre-conv qkv, z, b, a (one fused matmul when serving)."""
-        return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+    def state_spec(self, max_len: int) -> GDNState:
+        """Per-sequence state: the conv's last K-1 input rows and the fp32 delta-rule state."""
+        K = self.conv1d.kernel_size[0]
+        return GDNState(
+            conv=StateSpec((K - 1, self.conv1d.in_channels), kind=WINDOW),
+            recurrent=StateSpec((self.hv, self.dk, self.dv), torch.float32, kind=RECURRENT),
+        )
 
     def _heads(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """Split the conv-mixed `qkv` [T, conv_dim] into heads; gates from the projections z, b, a."""
@@ -70,30 +71,19 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta, z.reshape(T, self.hv, self.dv)
 
-    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """o, z: [T, Hv, Dv] -> [T, D]."""
-        return linear(self.norm(o, z).flatten(-2), self.out_proj.weight, self.out_proj.bias)
-
-    def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
-        q, k, v, g, beta, z = self.project(x, seg)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, seg)
-        return self.output(o, z)
-
-    def forward_cached(self, x: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
-        """Serving: continue each entry's conv window and recurrent state from `cache` (a `GDNCache`).
-
-        Decode steps (one token per entry) take the batched single-token recurrence; prefill chunks the chunked
-        rule with the cached state as initial state. Live entries' windows and states are written back.
-        """
-        qkv, z, b, a = self._in_proj(x)
-        qkv_in, pos_ext = step.with_history(qkv, step.gather(cache.conv))
-        qkv = step.conv(qkv_in, pos_ext, self.conv1d.weight.squeeze(1), cache.width)
+    def forward(self, x: torch.Tensor, seg: Segments, state: StepState[GDNState] | None = None) -> torch.Tensor:
+        """x: [T, D] -> [T, D]. With `state` (serving), each entry continues its slot's conv window and recurrent
+        state, and the live entries' new ones are written back."""
+        fused = state is not None
+        qkv, z, b, a = self.in_proj(x, fused)
+        window = None if state is None else state.read(state.bufs.conv)
+        qkv, window = causal_conv1d_varlen(qkv, seg, self.conv1d.weight.squeeze(1), initial_window=window)
         q, k, v, g, beta, z = self._heads(F.silu(qkv).to(x.dtype), z, b, a)
-        state = step.gather(cache.state)
-        if step.is_decode:  # with a slot run, the new state is written straight into the cache slice
-            o, final = gated_delta_step(q, k, v, g, beta, state, in_place=step.slot_run is not None)
-        else:
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, step.seg.cu_host, initial_state=state)
-        step.write_window(cache.conv, qkv_in)
-        step.store(cache.state, final)
-        return self.output(o, z)
+        initial = None if state is None else state.read(state.bufs.recurrent)
+        # On a slot run `initial` is a slice of the cache: the decode kernel writes the new state straight into it.
+        in_place = state is not None and state.step.slot_run is not None
+        o, final = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, in_place=in_place)
+        if state is not None:
+            state.write(state.bufs.conv, window)
+            state.write(state.bufs.recurrent, final)
+        return apply_linear(self.out_proj, self.norm(o, z).flatten(-2), fused)

@@ -1,45 +1,39 @@
-"""Inference-time fused projections: linears that read the same input, computed as one matmul.
+"""Serving fast paths of the layers: linears that read the same input as one GEMM, and skinny GEMMs.
 
-Serving runs with autograd off; there a group of `nn.Linear`s over one input (a layer's q/k/v/indexer projections,
-the MoE router and shared-expert projections, ...) costs one GEMM over their concatenated weights instead of one
-small GEMM each. The concatenated weight is built on first use and rebuilt whenever a member's weight changes
-(its storage or its in-place version counter: an optimizer step, `load_state_dict`, a weight sync from the
-trainer), so it never serves stale weights. With autograd on (training) every linear runs on its own, unchanged.
+A layer declares its same-input projections as a `Group` (a GDN layer's four in-projections; QSA's q/k/v and the
+indexer's; the MoE router with the shared expert's gate/up and gate; PLE key/value; a hyper-connection's down and
+inject). The layer's forward calls the group with `fused=` chosen by its caller: the plain path (every linear as
+its own module call, as training needs for hooks, FLOP attribution and FSDP) unless the forward serves a step
+(a forward given serving state passes `fused=True`). The fused path runs one GEMM over the members' concatenated
+weights, which `prepare(model)` builds once (`flashnext.serve.prepare_for_inference` calls it); a group used fused
+before that raises. The concatenated weight is rebuilt when a member's weight changes (its parameter object, its
+storage or its in-place version counter: an optimizer step, `load_state_dict`, a weight sync from the trainer), so
+it never serves stale weights.
 
-Skinny inputs (a decode step: a few rows) multiply as `W @ x.T`: MKL splits the long weight dimension across
-threads, which on this CPU made e.g. the 16-row x 16384-vocab LM head ~2x faster than `x @ W.T`.
+Skinny inputs (a decode step: a few rows) on CPU multiply as `W @ x.T` when fused: MKL splits the long weight
+dimension across threads, which on this CPU made e.g. the 16-row x 16384-vocab LM head ~2x faster than `x @ W.T`.
 
 Legend: M rows of input, K input features, N output features (summed over the group).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SKINNY_ROWS = 64  # inputs with at most this many rows use `W @ x.T`
-
-# first module of a group -> (its members' parameters, their stamp, fused weight, fused bias, split sizes)
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def active(x: torch.Tensor) -> bool:
-    """Whether the fused paths apply to input `x`: autograd off and real (not meta) data."""
-    return not torch.is_grad_enabled() and x.device.type != "meta"
+SKINNY_ROWS = 64  # inputs with at most this many rows use `W @ x.T` on the fused path
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, contiguous: bool = True
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fused: bool = False, contiguous=True
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` for 2-D inputs of at most `SKINNY_ROWS` rows.
+    """`F.linear(x, weight, bias)`; fused, a 2-D CPU input of at most `SKINNY_ROWS` rows runs as `(W @ x.T).T`.
 
     `contiguous=False` may return that transposed view as is (for a consumer that reduces rows anyway, e.g. the
     LM head's logits going to argmax/log-softmax: the copy of a 16 x 16384 result cost more than the argmax).
     """
-    if not active(x) or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
+    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
@@ -47,27 +41,62 @@ def linear(
     return y.contiguous() if contiguous else y
 
 
+def apply_linear(m: nn.Linear, x: torch.Tensor, fused: bool = False, contiguous: bool = True) -> torch.Tensor:
+    """`m(x)`: a module call on the plain path (hooks, FLOP attribution), `linear(..., fused=True)` when fused."""
+    if not fused:
+        return m(x)
+    return linear(x, m.weight, m.bias, fused=True, contiguous=contiguous)
+
+
 def _bias(m: nn.Module) -> torch.Tensor | None:
     return getattr(m, "bias", None)
 
 
-def _fused(linears: tuple[nn.Module, ...]):
-    params = [m._parameters.get(name) for m in linears for name in ("weight", "bias")]
-    hit = _FUSED.get(linears[0])
-    if hit is not None:
-        cached, stamp, weight, bias, sizes = hit
-        if all(a is b for a, b in zip(params, cached, strict=True)) and stamp == _stamp(params):
-            return weight, bias, sizes
-    with torch.no_grad():
-        weight = torch.cat([m.weight for m in linears]).detach()
+class Group:
+    """Modules with a 2-D `weight` (and optional `bias`) applied to the same input: `nn.Linear`s or e.g. a router.
+
+    Not an `nn.Module`: it only refers to members owned (and named) by the layer, so state dicts, FSDP and
+    parameter names are those of the members.
+    """
+
+    def __init__(self, *members: nn.Module):
+        self.members = members
+        self._built: tuple | None = None  # (parameters, stamp, weight, bias, split sizes)
+
+    def __call__(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
+        """`F.linear(x, m.weight, m.bias)` for every member, as separate calls or (fused) one GEMM."""
+        if not fused:
+            return tuple(m(x) if isinstance(m, nn.Linear) else F.linear(x, m.weight, _bias(m)) for m in self.members)
+        weight, bias, sizes = self.weights()
+        return torch.split(linear(x, weight, bias, fused=True), sizes, dim=-1)
+
+    def _params(self) -> list:
+        return [m._parameters.get(name) for m in self.members for name in ("weight", "bias")]
+
+    @torch.no_grad()
+    def build(self) -> None:
+        """Concatenate the members' current weights (and biases; zeros for a member without one)."""
+        weight = torch.cat([m.weight for m in self.members]).detach()
         bias = None
-        if any(_bias(m) is not None for m in linears):
+        if any(_bias(m) is not None for m in self.members):
             bias = torch.cat(
-                [_bias(m) if _bias(m) is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
+                [_bias(m) if _bias(m) is not None else m.weight.new_zeros(m.weight.shape[0]) for m in self.members]
             ).detach()
-    sizes = [m.weight.shape[0] for m in linears]
-    _FUSED[linears[0]] = (params, _stamp(params), weight, bias, sizes)
-    return weight, bias, sizes
+        params = self._params()
+        self._built = (params, _stamp(params), weight, bias, [m.weight.shape[0] for m in self.members])
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """The fused (weight, bias, split sizes), rebuilt if a member changed since `build`."""
+        if self._built is None:
+            raise RuntimeError(
+                "fused projections used before they were built: call flashnext.serve.prepare_for_inference(model)"
+            )
+        cached, stamp, weight, bias, sizes = self._built
+        params = self._params()
+        if not all(a is b for a, b in zip(params, cached, strict=True)) or stamp != _stamp(params):
+            self.build()
+            _, _, weight, bias, sizes = self._built
+        return weight, bias, sizes
 
 
 def _stamp(params: list) -> tuple:
@@ -75,10 +104,14 @@ def _stamp(params: list) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params if p is not None)
 
 
-def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """`F.linear(x, m.weight, m.bias)` for every module (an `nn.Linear`, or any module with a 2-D `weight`
-    and optional `bias`); with autograd off, one matmul over the group's concatenated weights."""
-    if not active(x):
-        return tuple(m(x) if isinstance(m, nn.Linear) else F.linear(x, m.weight, _bias(m)) for m in linears)
-    weight, bias, sizes = _fused(linears)
-    return torch.split(linear(x, weight, bias), sizes, dim=-1)
+def groups(model: nn.Module) -> list[Group]:
+    """Every `Group` held by a module of `model`."""
+    return [g for m in model.modules() for g in vars(m).values() if isinstance(g, Group)]
+
+
+def prepare(model: nn.Module) -> int:
+    """Build every group's fused weights (the serving fast path); returns how many groups were built."""
+    found = groups(model)
+    for g in found:
+        g.build()
+    return len(found)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.model.fused import linear, project
+from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import RMSNorm
 
 
@@ -25,16 +25,19 @@ class GatedResidual(nn.Module):
         self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
         self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
         self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
+        self.down = Group(*(m for m in (self.input_mix_weight_down, self.block_inject_weight) if m is not None))
 
-    def forward(self, residual: torch.Tensor):
-        """residual: [T, hc*D] -> mixed input [T, D] (and injection weights [T, hc] when injecting)."""
+    def forward(self, residual: torch.Tensor, fused: bool = False):
+        """residual: [T, hc*D] -> mixed input [T, D] (and injection weights [T, hc] when injecting).
+
+        `fused`: the serving fast paths of `model.fused` (prepared weights); the plain path otherwise."""
         normed = self.hc_norm(residual)
         if self.block_inject_weight is None:
-            (down,) = project(normed, self.input_mix_weight_down)
+            (down,) = self.down(normed, fused)
         else:
-            down, inject = project(normed, self.input_mix_weight_down, self.block_inject_weight)
+            down, inject = self.down(normed, fused)
         mix = F.silu(down / self.hc)
-        mix = torch.sigmoid(linear(mix, self.input_mix_weight_up.weight)).unflatten(-1, (self.hc, self.hidden))
+        mix = torch.sigmoid(apply_linear(self.input_mix_weight_up, mix, fused)).unflatten(-1, (self.hc, self.hidden))
         mixed = (mix * normed.unflatten(-1, (self.hc, self.hidden))).mean(-2)
         if self.block_inject_weight is None:
             return mixed

@@ -8,11 +8,11 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import LINEAR, TextConfig
 from flashnext.model.attention import Attention
-from flashnext.model.cached import StepBatch
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual, inject
 from flashnext.model.moe import SparseMoE
 from flashnext.model.ple import PLELayer
+from flashnext.model.state import StepState
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +30,18 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(*args)
         self.mlp_hyper_connection = GatedResidual(*args)
 
+    @property
+    def mixer_name(self) -> str:
+        """The attribute holding the token mixer: `linear_attn` (GDN) or `self_attn` (QSA)."""
+        return "linear_attn" if self.layer_type == LINEAR else "self_attn"
+
+    def state_spec(self, max_len: int) -> dict:
+        """The per-sequence state of the layer's stateful parts, by attribute name (`ple`, and the mixer)."""
+        spec = {self.mixer_name: getattr(self, self.mixer_name).state_spec(max_len)}
+        if self.ple is not None:
+            spec["ple"] = self.ple.state_spec(max_len)
+        return spec
+
     def forward(
         self,
         residual: torch.Tensor,
@@ -37,37 +49,23 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         seg: Segments,
         replay: torch.Tensor | None = None,
+        state: StepState[dict] | None = None,
     ):
-        """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k])."""
-        if self.ple is not None:
-            residual = residual + self.ple(residual, input_ids, seg)
-        x, w = self.attn_hyper_connection(residual)
-        if self.layer_type == LINEAR:
-            x = self.linear_attn(x, seg)
-        else:
-            x = self.self_attn(x, *rope, seg)
-        residual = inject(residual, x, w)
-        x, w = self.mlp_hyper_connection(residual)
-        x, experts = self.mlp(x, replay)
-        return inject(residual, x, w), experts
+        """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k]).
 
-    def forward_cached(
-        self,
-        residual: torch.Tensor,
-        input_ids: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        step: StepBatch,
-        cache,
-    ) -> torch.Tensor:
-        """Serving: as `forward`, with the stateful mixers continuing from `cache` (a `LayerCache`)."""
+        `state` (serving): the layer's cached state by part name (`state_spec`); its parts continue their slots'
+        sequences, and the projections take the prepared fast paths (`model.fused`).
+        """
+        fused = state is not None
         if self.ple is not None:
-            residual = residual + self.ple.forward_cached(residual, input_ids, step, cache.ple)
-        x, w = self.attn_hyper_connection(residual)
+            residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"))
+        x, w = self.attn_hyper_connection(residual, fused)
+        mixer_state = None if state is None else state.part(self.mixer_name)
         if self.layer_type == LINEAR:
-            x = self.linear_attn.forward_cached(x, step, cache.gdn)
+            x = self.linear_attn(x, seg, mixer_state)
         else:
-            x = self.self_attn.forward_cached(x, *rope, step, cache.qsa)
+            x = self.self_attn(x, *rope, seg, mixer_state)
         residual = inject(residual, x, w)
-        x, w = self.mlp_hyper_connection(residual)
-        x, _ = self.mlp(x)
-        return inject(residual, x, w)
+        x, w = self.mlp_hyper_connection(residual, fused)
+        x, experts = self.mlp(x, replay, fused)
+        return inject(residual, x, w), experts

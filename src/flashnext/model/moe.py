@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.config import TextConfig
-from flashnext.model import fused
+from flashnext.model.fused import Group, apply_linear
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
 
@@ -55,18 +55,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D]."""
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
+        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D]. `fused`: serving GEMM layouts."""
         T, k = experts.shape
         flat_e = experts.flatten()
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
         if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
-            return self._gathered(x, flat_e, weights)
-        return self._grouped(x, flat_e, weights)
+            return self._gathered(x, flat_e, weights, fused)
+        return self._grouped(x, flat_e, weights, fused)
 
     # Opaque to torch.compile: the slab's capacity is a data-dependent count (`int(counts.max())`).
     @torch.compiler.disable
-    def _grouped(self, x, flat_e, weights):
+    def _grouped(self, x, flat_e, weights, fused=False):
         """Sort assignments by expert, lay each expert's tokens in a [E, cap, D] slab, one batched matmul each.
 
         Rows move with `index_copy_`/`index_select` on the flattened slab, and each token's k outputs are summed
@@ -81,28 +83,28 @@ class Experts(nn.Module):
         sorted_e = flat_e.index_select(0, order)
         dest = sorted_e * cap + torch.arange(order.numel(), device=x.device) - starts.index_select(0, sorted_e)
         slab = x.new_zeros(E * cap, x.shape[1]).index_copy_(0, dest, x.index_select(0, order // k))
-        h = self._swiglu(slab.view(E, cap, -1), self.gate_up_proj, self.down_proj).flatten(0, 1)  # [E * cap, D]
+        h = self._swiglu(slab.view(E, cap, -1), self.gate_up_proj, self.down_proj, fused).flatten(0, 1)  # [E*cap, D]
         row = torch.empty_like(dest).index_copy_(0, order, dest)  # slab row of every assignment, routing order
         out = h.index_select(0, row).view(T, k, -1) * weights.unsqueeze(-1)
         return out.sum(1)
 
-    def _gathered(self, x, flat_e, weights):
+    def _gathered(self, x, flat_e, weights, fused=False):
         """Few assignments (decode): gather each assignment's expert weights instead of touching all experts."""
         k = weights.shape[1]
         token = torch.arange(flat_e.numel(), device=x.device) // k
-        h = self._swiglu(x[token].unsqueeze(1), self.gate_up_proj[flat_e], self.down_proj[flat_e]).squeeze(1)
+        h = self._swiglu(x[token].unsqueeze(1), self.gate_up_proj[flat_e], self.down_proj[flat_e], fused).squeeze(1)
         out = h * weights.flatten()[:, None]
         return x.new_zeros(x.shape).index_add(0, token, out)
 
     @staticmethod
-    def _swiglu(x, gate_up, down):
+    def _swiglu(x, gate_up, down, fused=False):
         """x [G, n, D] with weights gate_up [G, 2I, D], down [G, D, I] -> [G, n, D].
 
-        Without autograd and with few rows per expert (decode) the gate/up product runs transposed, weights times
-        rows (`W @ x.T`, as `fused.linear`): on this CPU MKL's batched GEMM with 4-10 rows per expert was ~1.2-1.5x
+        Fused (serving) with few rows per expert (decode) the gate/up product runs transposed, weights times rows
+        (`W @ x.T`, as `fused.linear`): on this CPU MKL's batched GEMM with 4-10 rows per expert was ~1.2-1.5x
         faster that way; the down product keeps the row-major form (its transposed form was slower).
         """
-        if fused.active(x) and x.device.type == "cpu" and x.shape[1] <= SKINNY_EXPERT_ROWS:
+        if fused and x.device.type == "cpu" and x.shape[1] <= SKINNY_EXPERT_ROWS:
             gate, up = torch.bmm(gate_up, x.transpose(1, 2)).chunk(2, dim=1)  # [G, I, n] each
             return torch.bmm((F.silu(gate) * up).transpose(1, 2), down.transpose(1, 2))
         gate, up = torch.bmm(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
@@ -129,18 +131,20 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
-        """x: [T, D] -> ([T, D], experts int64 [T, k])."""
         shared = self.shared_expert
-        if fused.active(x):  # serving: router and shared-expert projections as one matmul
-            logits, gate, up, shared_gate = fused.project(
-                x, self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate
-            )
+        self.router_shared = Group(self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, fused: bool = False):
+        """x: [T, D] -> ([T, D], experts int64 [T, k]).
+
+        `fused` (serving): the router and the shared expert's projections as one prepared GEMM."""
+        shared = self.shared_expert
+        if fused:
+            logits, gate, up, shared_gate = self.router_shared(x, fused=True)
             weights, experts = self.gate.route(logits, replay)
-            shared_out = fused.linear(F.silu(gate) * up, shared.down_proj.weight)
+            shared_out = apply_linear(shared.down_proj, F.silu(gate) * up, fused=True)
         else:
             weights, experts = self.gate(x, replay)
             shared_gate, shared_out = self.shared_expert_gate(x), shared(x)
-        out = self.experts(x, experts, weights)
+        out = self.experts(x, experts, weights, fused)
         return out + torch.sigmoid(shared_gate) * shared_out, experts

@@ -21,7 +21,7 @@ from torch import nn
 from flashnext.batch import Segments, make_segments, pad_back, unpad
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.cached import StepBatch
+from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
     CausalLMOutput,
     FlashNextForCausalLM,
@@ -190,8 +190,13 @@ class FlashNextForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """One serving step, as `FlashNextForCausalLM.forward_step`; image features come in `inputs_embeds`
         (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs here."""
-        hidden = self.model.language_model.forward_cached(input_ids, step, cache, inputs_embeds)
+        state = StepState(step, cache.layers)
+        hidden, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         return last_token_logits(self.lm_head, hidden, step)
+
+    def state_spec(self, max_len: int) -> list[dict]:
+        """Per decoder layer, the per-sequence serving state (the vision tower keeps none)."""
+        return self.model.language_model.state_spec(max_len)
 
     def mrope_segments(
         self, ids: torch.Tensor, seg: Segments, mm_token_type_ids: torch.Tensor | None, grid_thw: torch.Tensor

@@ -7,6 +7,9 @@ globally across PLE layers; the table is padded to a multiple of `make_ngram_voc
 
 The table lookup is the module `ngram_embedding` (an `nn.Embedding` called on flat ids) so it can be swapped for an
 owner-routed, row-sharded embedding from outside the model.
+
+Across serving steps the context is carried as state: the last `ngram_size - 1` ids of each sequence (EOS for a
+fresh one, which is what precedes a sequence start), passed in as `initial_context` and returned updated.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from flashnext.batch import Segments, last_rows, prepend_history
 from flashnext.config import TextConfig
 
 _MASK64 = (1 << 64) - 1
@@ -105,9 +109,29 @@ class NGramEmbedding(nn.Module):
         self.ngram_heads_vocab_sizes.copy_(torch.tensor(self._sizes, dtype=torch.long))
         self.ngram_heads_offsets.copy_(torch.tensor(self._offsets, dtype=torch.long))
 
-    def hash_ids(self, ids: torch.Tensor, pos_in_seq: torch.Tensor) -> torch.Tensor:
-        """int64 [T] token ids -> int64 [T, num_heads] table rows."""
+    def hash_ids(
+        self, ids: torch.Tensor, seg: Segments, initial_context: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Table rows of every token, and the context that follows each sequence.
+
+        Args:
+            ids: int [T] token ids of the stream.
+            seg: the stream's segments.
+            initial_context: optional int64 [N, ngram_size - 1], the ids before each sequence (EOS-filled for a
+                fresh one); None reads EOS before every sequence start.
+
+        Returns:
+            rows int64 [T, num_heads] and, with an initial context, the final context [N, ngram_size - 1].
+        """
         ids = ids.long()
+        if initial_context is None:
+            return self._rows(ids, seg.pos_in_seq), None
+        ids_ext, layout = prepend_history(ids, initial_context, seg)
+        rows = self._rows(ids_ext, layout.pos)[layout.real]
+        return rows, last_rows(ids_ext, layout, seg)
+
+    def _rows(self, ids: torch.Tensor, pos_in_seq: torch.Tensor) -> torch.Tensor:
+        """int64 [T] token ids with their offsets from the sequence start -> int64 [T, num_heads] table rows."""
         ctx = [context_tokens(ids, pos_in_seq, self.eos_id, j) for j in range(self.ngram_size)]
         mixed = ctx[0] * self.layer_multipliers[0]
         per_order = []
@@ -118,6 +142,9 @@ class NGramEmbedding(nn.Module):
             per_order.append(torch.remainder(mixed[:, None], sizes) + self.ngram_heads_offsets[heads])
         return torch.cat(per_order, dim=-1)
 
-    def forward(self, ids: torch.Tensor, pos_in_seq: torch.Tensor) -> torch.Tensor:
-        rows = self.hash_ids(ids, pos_in_seq)
-        return self.ngram_embedding(rows).flatten(-2)
+    def forward(
+        self, ids: torch.Tensor, seg: Segments, initial_context: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids int [T] -> (embeddings [T, ple_embed_dim], final context or None; see `hash_ids`)."""
+        rows, context = self.hash_ids(ids, seg, initial_context)
+        return self.ngram_embedding(rows).flatten(-2), context

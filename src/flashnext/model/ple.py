@@ -1,5 +1,8 @@
 """Per-Layer Embedding (PLE): hashed n-gram features gated into every residual stream.
 
+One forward for training and serving: with serving state (`PLEState`) the n-gram context and the dilated conv's
+window continue each slot's sequence and are written back.
+
 Legend: T tokens, hc streams, D hidden, E = ple_embed_dim.
 """
 
@@ -13,10 +16,10 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
-from flashnext.model.cached import StepBatch
-from flashnext.model.fused import project
+from flashnext.model.fused import Group
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import RMSNorm
+from flashnext.model.state import WINDOW, PLEState, StateSpec, StepState
 from flashnext.ops.conv import causal_conv1d_varlen
 
 
@@ -40,35 +43,39 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(
             hc * D, hc * D, kernel_size=cfg.ple_conv_kernel_size, groups=hc * D, dilation=self.dilation, bias=False
         )
+        self.key_value = Group(self.key_proj, self.value_proj)
 
-    def _gated(self, residual: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    def state_spec(self, max_len: int) -> PLEState:
+        """Per-sequence state: the last `ngram_size - 1` ids (EOS for a fresh sequence) and the dilated conv's
+        last `(kernel - 1) * ngram_size` input rows."""
+        K, width = self.conv1d.kernel_size[0], self.conv1d.in_channels
+        emb = self.ple_embedding
+        eos = emb.eos_id if emb.eos_id is not None else 0
+        return PLEState(
+            context=StateSpec((emb.ngram_size - 1,), torch.int64, fill=eos, kind=WINDOW),
+            conv=StateSpec(((K - 1) * self.dilation, width), kind=WINDOW),
+        )
+
+    def _gated(self, residual: torch.Tensor, emb: torch.Tensor, fused: bool) -> torch.Tensor:
         """n-gram values [T, E] gated into each stream by its agreement with the residual: -> [T, hc*D]."""
-        key, value = project(emb, self.key_proj, self.value_proj)
+        key, value = self.key_value(emb, fused)
         key = self.norm_key(key).unflatten(-1, (self.hc, self.hidden))
         query = self.norm_query(residual).unflatten(-1, (self.hc, self.hidden))
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
-        return gated
+        return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
 
-    def forward(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
+    def forward(
+        self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments, state: StepState[PLEState] | None = None
+    ) -> torch.Tensor:
         """residual: [T, hc*D]; input_ids: int [T] -> [T, hc*D]."""
-        pos = seg.pos_in_seq
-        emb = self.ple_embedding(input_ids, pos)  # [T, E]
-        gated = self._gated(residual, emb)
-        conv_in = self.norm_conv(gated)
-        conv = causal_conv1d_varlen(conv_in, self.conv1d.weight.squeeze(1), pos, self.dilation)
-        return gated + F.silu(conv).to(gated.dtype)
-
-    def forward_cached(self, residual: torch.Tensor, input_ids: torch.Tensor, step: StepBatch, cache) -> torch.Tensor:
-        """Serving: the n-gram context and the dilated conv continue from `cache` (a `PLECache`)."""
-        ids_ext, pos_ext = step.with_history(input_ids.long(), step.gather(cache.ctx))
-        real = step.extended(cache.ctx.shape[1])[1]
-        rows = self.ple_embedding.hash_ids(ids_ext, pos_ext)[real]
-        emb = self.ple_embedding.ngram_embedding(rows).flatten(-2)
-        gated = self._gated(residual, emb)
-        conv_in, conv_pos = step.with_history(self.norm_conv(gated), step.gather(cache.conv))
-        conv = step.conv(conv_in, conv_pos, self.conv1d.weight.squeeze(1), cache.conv.shape[1], self.dilation)
-        step.write_window(cache.ctx, ids_ext)
-        step.write_window(cache.conv, conv_in)
+        context = None if state is None else state.read(state.bufs.context)
+        emb, context = self.ple_embedding(input_ids, seg, initial_context=context)  # [T, E]
+        gated = self._gated(residual, emb, fused=state is not None)
+        window = None if state is None else state.read(state.bufs.conv)
+        weight = self.conv1d.weight.squeeze(1)
+        conv, window = causal_conv1d_varlen(self.norm_conv(gated), seg, weight, self.dilation, initial_window=window)
+        if state is not None:
+            state.write(state.bufs.context, context)
+            state.write(state.bufs.conv, window)
         return gated + F.silu(conv).to(gated.dtype)

@@ -14,7 +14,6 @@ from torch import nn
 from flashnext.batch import Segments, make_segments, next_token_targets, pad_back, unpad
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
-from flashnext.model.cached import StepBatch, plan_blocks
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.fused import linear
 from flashnext.model.hyper import GatedResidual
@@ -24,6 +23,7 @@ from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
+from flashnext.model.state import StepBatch, StepState, plan_blocks
 
 
 @dataclass
@@ -49,44 +49,44 @@ class FlashNextTextModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
 
+    def state_spec(self, max_len: int) -> list[dict]:
+        """Per layer, the per-sequence serving state of its stateful parts (see `model.state`)."""
+        return [layer.state_spec(max_len) for layer in self.layers]
+
     def forward(
         self,
         input_ids: torch.Tensor,
         seg: Segments,
         replay: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        state: StepState[list] | None = None,
     ):
         """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k]).
 
-        `inputs_embeds` ([T, D], e.g. with image features scattered in) replaces the token embedding; `input_ids`
-        are still required: PLE hashes the raw ids (image placeholders included).
+        Args:
+            replay: int [T, L, k] experts to force per layer (router replay).
+            inputs_embeds: [T, D] (e.g. with image features scattered in) replaces the token embedding;
+                `input_ids` are still required: PLE hashes the raw ids (image placeholders included).
+            state: serving: the step and the cache's per-layer state (`StepState(step, cache.layers)`). The
+                stream's sequences continue their slots' cached state, which is updated in place; the rotary uses
+                `step.rope_positions` (MRoPE) when set, else the positions (cache rows).
         """
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = x.repeat(1, self.config.hc_count)
-        rope = self.rotary(seg.position_ids, x.dtype)
+        positions = seg.position_ids
+        if state is not None:
+            step = state.step
+            positions = positions if step.rope_positions is None else step.rope_positions
+            if self.config.qsa_enabled:
+                plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
+        rope = self.rotary(positions, x.dtype)
         routed = []
         for i, layer in enumerate(self.layers):
-            residual, experts = layer(residual, input_ids, rope, seg, None if replay is None else replay[:, i])
+            layer_state = None if state is None else StepState(state.step, state.bufs[i])
+            layer_replay = None if replay is None else replay[:, i]
+            residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state)
             routed.append(experts)
-        return self.hyper_connection_mixer(residual), torch.stack(routed, dim=1)
-
-    def forward_cached(
-        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Serving: input_ids int [T] continuing cached sequences (`step`, `cache`: a `StateCache`) -> [T, D].
-
-        `inputs_embeds` [T, D] (image features scattered in) replaces the token embedding; PLE still hashes
-        `input_ids`. The rotary uses `step.rope_positions` (MRoPE) when set, else the cache rows.
-        """
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = x.repeat(1, self.config.hc_count)
-        positions = step.seg.position_ids if step.rope_positions is None else step.rope_positions
-        rope = self.rotary(positions, x.dtype)
-        if self.config.qsa_enabled:
-            plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            residual = layer.forward_cached(residual, input_ids, rope, step, layer_cache)
-        return self.hyper_connection_mixer(residual)
+        return self.hyper_connection_mixer(residual, state is not None), torch.stack(routed, dim=1)
 
 
 class FlashNextForCausalLM(nn.Module):
@@ -140,23 +140,28 @@ class FlashNextForCausalLM(nn.Module):
             logits = pad_back(logits, keep, tuple(input_ids.shape))
         return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
 
+    def state_spec(self, max_len: int) -> list[dict]:
+        """Per layer, the per-sequence serving state of its stateful parts (what `StateCache` allocates)."""
+        return self.model.state_spec(max_len)
+
     @torch.no_grad()
     def forward_step(
         self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One serving step over a flat stream of prefill chunks and decode tokens.
+        """One serving step over a flat stream of prefill chunks and decode tokens: `forward` with state.
 
         Args:
             input_ids: int [T], the entries' new tokens back to back.
-            step: the entries' slots and cached lengths (`flashnext.model.cached.make_step`).
-            cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place.
-            inputs_embeds: optional [T, D] replacing the token embedding (see `FlashNextTextModel.forward_cached`).
+            step: the entries' slots and cached lengths (`flashnext.model.state.make_step`).
+            cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place. The model
+                must have been prepared for serving (`flashnext.serve.prepare_for_inference`).
+            inputs_embeds: optional [T, D] replacing the token embedding (see `FlashNextTextModel.forward`).
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
             order; padding and zero-length entries produce no row.
         """
-        hidden = self.model.forward_cached(input_ids, step, cache, inputs_embeds)
+        hidden, _ = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=StepState(step, cache.layers))
         return last_token_logits(self.lm_head, hidden, step)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
@@ -217,7 +222,7 @@ def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch)
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
         hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))
-    return linear(hidden, lm_head.weight, lm_head.bias, contiguous=False)
+    return linear(hidden, lm_head.weight, lm_head.bias, fused=True, contiguous=False)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

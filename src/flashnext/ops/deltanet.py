@@ -6,6 +6,10 @@ state untouched). Within a chunk the delta-rule updates are condensed with the U
 solve); across chunks a scan carries the [H, K, V] state, batched over the sequences still running at that step.
 `ops.deltanet_ref.recurrent_gated_delta_rule` is the token-by-token spec this must equal.
 
+`gated_delta_rule` is the entry point the model calls: it takes an optional per-sequence `initial_state` and returns
+the final state, and picks the kernel by shape itself: one token per sequence with a state (a serving decode step)
+runs the batched single-token recurrence of `ops.deltanet_step`, anything else the chunked kernel.
+
 On CUDA with flash-linear-attention installed (and `FLASHNEXT_FORCE_REF` unset) the FLA kernel is used instead;
 it is imported lazily, never at model construction.
 """
@@ -18,8 +22,37 @@ import torch
 
 from flashnext.batch import Segments
 from flashnext.ops.deltanet_ref import prepare_qk
+from flashnext.ops.deltanet_step import gated_delta_step
 
 CHUNK = 64
+
+
+@torch.compiler.disable  # reads host lengths to choose (see chunk_gated_delta_rule)
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seg: Segments,
+    initial_state: torch.Tensor | None = None,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over a flat stream, continuing from `initial_state` when given.
+
+    Args:
+        q, k: [T, H, K] raw (L2-normalised and q-scaled inside). v: [T, H, V]. g, beta: [T, H].
+        seg: the stream's segments (N sequences).
+        initial_state: optional fp32 [N, H, K, V], the state before each sequence (zeros when None).
+        in_place: the final state may be written over `initial_state` (a decode step on a contiguous fp32 state
+            that is not read afterwards, e.g. a slice of the serving cache).
+
+    Returns:
+        o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V].
+    """
+    if initial_state is not None and seg.is_decode:
+        return gated_delta_step(q, k, v, g, beta, initial_state, in_place=in_place)
+    return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial_state)
 
 
 def _use_fla(x: torch.Tensor) -> bool:

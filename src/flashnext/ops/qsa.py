@@ -4,6 +4,9 @@ Queries are processed in chunks that bound memory; a chunk scores only the block
 top `block_topk` (ties: higher score, then later block — see `ops.qsa_ref`), and attends over the gathered
 `block_topk * c + c - 1` candidate tokens, never a dense T x T mask.
 
+`pool_blocks` (a block's key before its norm) and `rank_blocks` (score, tie rule, top-k) are the pieces serving
+shares with training: `ops.qsa_cached` selects from the cache's block keys with the same `rank_blocks`.
+
 Legend: T tokens, Tq queries in a chunk, Hi/Di indexer heads/dim, NB blocks, n selected slots, H/Hkv/D attention.
 """
 
@@ -29,10 +32,46 @@ def complete_blocks(seg: Segments, ratio: int) -> torch.Tensor:
     return torch.tensor(starts, dtype=torch.long).to(seg.seq_idx.device)
 
 
-def pool_block_keys(raw_k: torch.Tensor, block_start: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Mean (in fp32, cast back) of each block's raw indexer keys. raw_k: [T, Di] -> [NB, Di]."""
-    idx = block_start[:, None] + torch.arange(ratio, device=raw_k.device)
-    return raw_k[idx].float().mean(1).to(raw_k.dtype)
+def pool_blocks(raw_blocks: torch.Tensor) -> torch.Tensor:
+    """Mean (in fp32, cast back) of each block's raw indexer keys. raw_blocks: [NB, c, Di] -> [NB, Di].
+
+    Training pools blocks of the stream, serving pools the cache rows of a block when it completes: both here.
+    """
+    return raw_blocks.float().mean(1).to(raw_blocks.dtype)
+
+
+def block_rows(block_start: torch.Tensor, ratio: int) -> torch.Tensor:
+    """int64 [NB, c]: the flat token index of every token of each block (from `complete_blocks`)."""
+    return block_start[:, None] + torch.arange(ratio, device=block_start.device)
+
+
+@torch.no_grad()
+def rank_blocks(
+    idx_q: torch.Tensor, block_keys: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top `k` visible blocks of every query: the one QSA selection rule, for training and serving.
+
+    Score of a block = sum_h relu(q_h . key) / sqrt(Di). Tie rule as one integer key: the fp32 bits of a score
+    >= 0 order like the score itself, so (bits << 32) + block index ranks by score, then by the later block;
+    invisible blocks get -1 (`+ 0.0` turns a -0.0 from relu into +0.0, whose bits are 0).
+
+    Args:
+        idx_q: [Tq, Hi, Di] normalised, rotated indexer queries.
+        block_keys: [NB, Di] keys shared by every query, or [Tq, NB, Di] per query.
+        visible: bool [Tq, NB], the blocks each query may select.
+        k: blocks to keep (<= NB).
+
+    Returns:
+        order int64 [Tq, k] (block index within `block_keys`, by rank) and ok bool [Tq, k] (a visible block).
+    """
+    Di = idx_q.shape[-1]
+    spec = "thd,bd->thb" if block_keys.dim() == 2 else "thd,tbd->thb"
+    scores = torch.einsum(spec, idx_q.float(), block_keys.float()).relu().sum(1) / math.sqrt(Di)
+    bits = (scores + 0.0).view(torch.int32).long()
+    index = torch.arange(visible.shape[1], device=visible.device)
+    key = torch.where(visible, (bits << 32) + index, -1)
+    vals, order = torch.topk(key, k, dim=-1)
+    return order, vals >= 0
 
 
 @torch.no_grad()
@@ -52,7 +91,7 @@ def select_tokens(
     Returns:
         sel [T, n] int64 flat token indices (0 where unused) and ok [T, n] bool, n = block_topk*ratio + ratio - 1.
     """
-    T, Hi, Di = idx_q.shape
+    T, Hi, _ = idx_q.shape
     n = block_topk * ratio + ratio - 1
     device = idx_q.device
     sel = torch.zeros(T, n, dtype=torch.long, device=device)
@@ -75,17 +114,9 @@ def select_tokens(
         k_blocks = min(block_topk, b_hi - b_lo)
         if k_blocks > 0:
             starts = block_start[b_lo:b_hi]
-            scores = torch.einsum("thd,bd->thb", idx_q[t0:t1].float(), block_keys[b_lo:b_hi].float())
-            scores = scores.relu().sum(1) / math.sqrt(Di)
             visible = (starts[None, :] >= s[:, None]) & (starts[None, :] + ratio <= t[:, None] + 1)
-            # Tie rule as one integer key: the fp32 bits of a score >= 0 order like the score itself, so
-            # (bits << 32) + block index ranks by score, then by the later block; invisible blocks get -1.
-            # (+ 0.0 turns a -0.0 from relu into +0.0, whose bits are 0.)
-            bits = (scores + 0.0).view(torch.int32).long()
-            key = torch.where(visible, (bits << 32) + torch.arange(b_hi - b_lo, device=device), -1)
-            vals, order = torch.topk(key, k_blocks, dim=-1)
+            order, top_ok = rank_blocks(idx_q[t0:t1], block_keys[b_lo:b_hi], visible, k_blocks)
             top = starts[order]  # [Tq, k]
-            top_ok = vals >= 0
             width = k_blocks * ratio
             sel[t0:t1, :width] = (top[:, :, None] + arange_c).flatten(1)
             ok[t0:t1, :width] = top_ok[:, :, None].expand(-1, -1, ratio).flatten(1)

@@ -6,8 +6,8 @@ Because rows are positions, block b of a slot is rows `b*c .. b*c+c-1`: one `c x
 as `[S * NBS, c, Hkv, D]`, so a query gathers its selected blocks and its tail block as whole rows.
 
 Selection equals `ops.qsa` (and `ops.qsa_ref`): the query at position p sees blocks `0 .. (p+1)//c - 1` of its
-slot plus the tail `(p+1)//c * c .. p`; score = sum_h relu(q_h . key) / sqrt(Di); top `block_topk` blocks, ties
-to the higher score, then the later block (one integer-key `topk`).
+slot plus the tail `(p+1)//c * c .. p`, ranked by `ops.qsa.rank_blocks` (the one scoring and tie rule of training
+and serving): top `block_topk` blocks, ties to the higher score, then the later block.
 
 Legend: T queries, Tq queries in a chunk, S slots, NBS block rows per slot, NB visible blocks, kb selected blocks,
 Hi/Di indexer heads/dim, H/Hkv attention heads, G = H / Hkv, D head dim, c compress ratio.
@@ -15,9 +15,9 @@ Hi/Di indexer heads/dim, H/Hkv attention heads, G = H / Hkv, D head dim, c compr
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from flashnext.ops.qsa import rank_blocks
 
 SCORE_BUDGET = 1 << 22  # elements of the gathered [Tq, NB, Di] block keys per chunk
 GATHER_BUDGET = 1 << 22  # elements of the gathered [Tq, n, Hkv, D] keys per chunk
@@ -55,14 +55,9 @@ def select_blocks_cached(
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         keys = block_keys[:, :max_visible].index_select(0, tok_slot[t0:t1])  # [Tq, NB, Di]
-        scores = torch.einsum("thd,tbd->thb", idx_q[t0:t1].float(), keys.float())
-        scores = scores.relu().sum(1) / math.sqrt(Di)
-        # The tie rule as an integer key (see ops.qsa): fp32 bits of a score >= 0, then the block index.
-        bits = (scores + 0.0).view(torch.int32).long()
-        key = torch.where(b[None, :] < nvis[t0:t1, None], (bits << 32) + b, -1)
-        vals, order = torch.topk(key, kb, dim=-1)
-        oks.append(vals >= 0)
-        blocks.append(torch.where(vals >= 0, order, 0))
+        order, ok = rank_blocks(idx_q[t0:t1], keys, b[None, :] < nvis[t0:t1, None], kb)
+        oks.append(ok)
+        blocks.append(torch.where(ok, order, 0))
     return torch.cat(blocks), torch.cat(oks)
 
 

@@ -1,16 +1,16 @@
-"""Fixed-capacity per-slot state of every layer, allocated once: the serving model's memory.
+"""Fixed-capacity per-slot state of every layer, allocated once from the model's declarations.
 
-Each buffer is `[max_slots + 1, ...]`: slots `0 .. max_slots-1` belong to requests, the last one is a scratch slot
-that padding entries of a step read and write, so padding never touches a request's state. Buffers are never
-reallocated or resized (shapes and storage addresses fixed for the cache's life, as a captured CUDA graph needs);
-a step updates them in place with `index_copy_`.
+The model declares what each stateful module keeps per sequence (`model.state_spec(max_model_len)`: per layer, a
+typed record of `StateSpec`s by part; see `flashnext.model.state`). The cache allocates one buffer
+`[max_slots + 1, *spec.shape]` per declared field, filled with the spec's empty-sequence value, and holds them in the
+same record types, so a module reads its own state by field name and no shape is derived twice. Slots
+`0 .. max_slots-1` belong to requests; the last one is a scratch slot that padding entries of a step read and write,
+so padding never touches a request's state. Buffers are never reallocated or resized (shapes and storage addresses
+fixed for the cache's life, as a captured CUDA graph needs); a step updates them in place.
 
-Per layer (the model config decides which parts exist):
-    GDN:  conv [S, K-1, conv_dim] (last pre-conv q/k/v rows), state fp32 [S, Hv, Dk, Dv] (recurrent state)
-    PLE:  ctx int64 [S, ngram_size-1] (last token ids, EOS before the start), conv [S, (K-1)*ngram_size, hc*D]
-    QSA:  k, v [S, Lc, Hkv, D] (rotated keys, values by position), raw_k [S, Lc, Di] (indexer keys),
-          block_k [S, Lc/c, Di] (pooled, normalised, rotated block keys, written once when a block completes)
-with S = max_slots + 1 and Lc = (max_model_len // c + 1) * c (a whole tail block past the last position).
+For the tiny configs, e.g. a GDN layer holds `conv [S, K-1, conv_dim]` and `recurrent fp32 [S, Hv, Dk, Dv]`, a PLE
+part `context int64 [S, ngram_size-1]` (EOS) and `conv [S, (K-1)*ngram_size, hc*D]`, a QSA layer `k, v [S, Lc, Hkv,
+D]`, `raw_k [S, Lc, Di]`, `block_k [S, Lc/c, Di]` with Lc = (max_model_len // c + 1) * c.
 """
 
 from __future__ import annotations
@@ -19,105 +19,57 @@ from dataclasses import dataclass
 
 import torch
 
-from flashnext.config import LINEAR, TextConfig
 from flashnext.errors import InputError
+from flashnext.model.state import POSITIONAL, state_buffers
 
 
 @dataclass
-class GDNCache:
-    conv: torch.Tensor
-    state: torch.Tensor
+class Snapshot:
+    """Copies of some slots' non-positional state (windows and recurrent states), by buffer, taken by
+    `StateCache.snapshot`; `restore` writes them back. Positional state needs no copy: rows past a sequence's
+    length are never read before they are written again."""
 
-    @property
-    def width(self) -> int:
-        return self.conv.shape[1]
-
-
-@dataclass
-class PLECache:
-    ctx: torch.Tensor
-    conv: torch.Tensor
-
-
-@dataclass
-class QSACache:
-    k: torch.Tensor
-    v: torch.Tensor
-    raw_k: torch.Tensor
-    block_k: torch.Tensor
-
-
-@dataclass
-class LayerCache:
-    gdn: GDNCache | None = None
-    ple: PLECache | None = None
-    qsa: QSACache | None = None
-
-    def buffers(self) -> list[torch.Tensor]:
-        out = []
-        for part in (self.gdn, self.ple, self.qsa):
-            if part is not None:
-                out.extend(vars(part).values())
-        return out
+    slots: list[int]
+    rows: list[tuple[torch.Tensor, torch.Tensor]]  # (cache buffer, its rows at `slots` when taken)
 
 
 class StateCache:
     """Per-layer state buffers for `max_slots` sequences of up to `max_model_len` tokens, plus slot bookkeeping.
 
     Args:
-        cfg: the model's text config.
+        model: a model with `state_spec(max_len)` (`FlashNextForCausalLM` or the composite model).
         max_slots: concurrent sequences.
         max_model_len: longest sequence (prompt + generated tokens).
-        dtype: dtype of activations kept (keys, values, conv windows); the GDN state is always fp32.
+        dtype: dtype of activations kept (keys, values, conv windows); default the model's parameter dtype. States
+            that declare a dtype (the GDN recurrent state: fp32; the n-gram context: int64) keep it.
+        device: default the model's parameter device.
     """
 
-    def __init__(self, cfg: TextConfig, max_slots: int, max_model_len: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, model, max_slots: int, max_model_len: int, dtype=None, device=None):
         if max_slots < 1 or max_model_len < 1:
             raise InputError(f"max_slots={max_slots} and max_model_len={max_model_len} must be >= 1")
-        self.config = cfg
+        param = next(model.parameters())
+        dtype = param.dtype if dtype is None else dtype
+        device = param.device if device is None else device
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.scratch_slot = max_slots
-        self.eos_id = cfg.eos_id if cfg.eos_id is not None else 0
         S = max_slots + 1
-        self.layers = [self._layer(cfg, i, S, dtype, device) for i in range(cfg.num_hidden_layers)]
+        self.layers: list[dict] = []
+        self._fills: list[tuple[torch.Tensor, int | float]] = []
+        self._kinds: list[tuple[torch.Tensor, str]] = []
+        for layer_spec in model.state_spec(max_model_len):
+            parts = {}
+            for name, spec in layer_spec.items():
+                bufs = {}
+                for field, s in state_buffers(spec).items():
+                    buf = torch.full((S, *s.shape), s.fill, dtype=s.dtype or dtype, device=device)
+                    self._fills.append((buf, s.fill))
+                    self._kinds.append((buf, s.kind))
+                    bufs[field] = buf
+                parts[name] = type(spec)(**bufs)
+            self.layers.append(parts)
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        for slot in range(S):
-            self.reset_slot(slot)
-
-    def _layer(self, cfg: TextConfig, i: int, S: int, dtype, device) -> LayerCache:
-        lc = LayerCache()
-        if cfg.layer_types[i] == LINEAR:
-            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            lc.gdn = GDNCache(
-                conv=torch.zeros(S, cfg.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device),
-                state=torch.zeros(
-                    S,
-                    cfg.linear_num_value_heads,
-                    cfg.linear_key_head_dim,
-                    cfg.linear_value_head_dim,
-                    dtype=torch.float32,
-                    device=device,
-                ),
-            )
-        else:
-            c = cfg.indexer_compress_ratio
-            nbs = self.max_model_len // c + 1
-            kv = (S, nbs * c, cfg.num_key_value_heads, cfg.head_dim)
-            lc.qsa = QSACache(
-                k=torch.zeros(kv, dtype=dtype, device=device),
-                v=torch.zeros(kv, dtype=dtype, device=device),
-                raw_k=torch.zeros(S, nbs * c, cfg.indexer_head_dim, dtype=dtype, device=device),
-                block_k=torch.zeros(S, nbs, cfg.indexer_head_dim, dtype=dtype, device=device),
-            )
-        if i + 1 in cfg.ple_layer_ids:
-            width = cfg.hc_count * cfg.hidden_size
-            lc.ple = PLECache(
-                ctx=torch.zeros(S, cfg.ngram_size - 1, dtype=torch.long, device=device),
-                conv=torch.zeros(S, (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size, width, dtype=dtype, device=device),
-            )
-        return lc
 
     # ---- slots ---------------------------------------------------------------------------------------
     @property
@@ -142,16 +94,33 @@ class StateCache:
 
     @torch.no_grad()
     def reset_slot(self, slot: int) -> None:
-        """Zero every buffer row of `slot`; the n-gram context reads as EOS (what precedes a sequence start)."""
-        for lc in self.layers:
-            for buf in lc.buffers():
-                buf[slot].zero_()
-            if lc.ple is not None:
-                lc.ple.ctx[slot].fill_(self.eos_id)
+        """Set every buffer row of `slot` to its empty-sequence value (zeros; EOS for an n-gram context)."""
+        for buf, fill in self._fills:
+            buf[slot].fill_(fill)
 
+    # ---- taking positions back ------------------------------------------------------------------------
+    @torch.no_grad()
+    def snapshot(self, slots: list[int]) -> Snapshot:
+        """Copy the window and recurrent state of `slots` (what a step overwrites and a rollback must restore)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self._fills[0][0].device)
+        rows = [(buf, buf.index_select(0, idx)) for buf, kind in self._kinds if kind != POSITIONAL]
+        return Snapshot(list(slots), rows)
+
+    @torch.no_grad()
+    def restore(self, snap: Snapshot) -> None:
+        """Put a snapshot's rows back: the slots' windows and recurrent states are as when it was taken.
+
+        Positional rows written since are left as they are (never visible below the restored length); the caller
+        continues each slot from the length it had at the snapshot (or feeds the accepted tokens again).
+        """
+        idx = torch.tensor(snap.slots, dtype=torch.long, device=self._fills[0][0].device)
+        for buf, rows in snap.rows:
+            buf.index_copy_(0, idx, rows)
+
+    # ---- inspection ----------------------------------------------------------------------------------
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (for tests: compare states, check addresses never change)."""
-        return [b for lc in self.layers for b in lc.buffers()]
+        return [buf for buf, _ in self._fills]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

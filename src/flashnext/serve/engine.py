@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.errors import InputError
-from flashnext.model.cached import make_step
 from flashnext.model.multimodal import get_rope_index
+from flashnext.model.state import make_step
 from flashnext.serve.cache import StateCache
+from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.sampling import SamplingParams, sample
 
 
@@ -113,7 +114,7 @@ class Engine:
     """Request queue, continuous-batching scheduler and sampler around a model and its state cache.
 
     Args:
-        model: a `FlashNextForCausalLM` (eval mode is set here).
+        model: a `FlashNextForCausalLM` or the composite model (prepared here: eval mode, fused serving weights).
         tokenizer: optional; needed for text prompts and stop strings (`encode`, `decode`, `eos_token_id`).
         max_slots: concurrent sequences (cache slots).
         max_model_len: longest prompt + generation.
@@ -128,12 +129,11 @@ class Engine:
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
     ):
-        self.model = model.eval()
+        self.model = prepare_for_inference(model)
         self.config = model.config
         self.tokenizer = tokenizer
-        param = next(model.parameters())
-        self.cache = StateCache(self.config, max_slots, max_model_len, dtype=param.dtype, device=param.device)
-        self.device = param.device
+        self.cache = StateCache(model, max_slots, max_model_len)
+        self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

@@ -1,32 +1,100 @@
-"""Inputs of a serving step: a flat stream whose sequences continue per-slot cached state.
+"""The serving state contract: what each stateful module keeps per sequence, and the steps that continue it.
 
-A step's stream holds N entries (chunks of prompts, or one decode token each). Entry i belongs to cache slot
-`slots[i]` and continues a sequence of which `cached[i]` tokens are already in the cache, so its tokens sit at
-positions `cached[i] .. cached[i] + L_i - 1`. The model's layers read and write their per-slot state through the
-layer cache objects of `flashnext.serve.cache`; everything else is the training code on the flat stream.
+A stateful module (GDN, PLE, QSA attention) declares its per-sequence state with `state_spec(max_len)`: a typed
+record (`GDNState`, `PLEState`, `QSAState`) whose fields are `StateSpec`s (per-sequence shape, dtype, the value of an
+empty sequence, and how the state behaves when positions are taken back). `serve.cache.StateCache` allocates one
+fixed-address buffer `[S, *shape]` per field from those declarations, with S slots, and hands each module the same
+record type holding the buffers. Nothing else derives a state shape.
+
+A serving step (`StepBatch`, built by `make_step`) is a flat stream of N entries (prompt chunks, or one decode
+token each). Entry i belongs to cache slot `slots[i]` and continues a sequence of which `cached[i]` tokens are
+already in the cache, so its tokens sit at positions `cached[i] .. cached[i] + L_i - 1`. A module's forward receives
+`StepState(step, bufs)` (its buffers and the step's slot mapping) as `state`, reads its entries' rows with
+`state.read`, computes with the same ops as training (which take the state in and return it out), and writes the
+live entries' rows back with `state.write`.
 
 Padding: an entry whose slot is the cache's scratch slot (`live[i]` False) is computed but its state is never
 written back to a real slot and the caller drops its output; a zero-length entry has no tokens and writes nothing.
-
-Windowed mixers (GDN conv, PLE conv, n-gram context) run on an *extended* stream: each entry's W cached rows
-followed by its L new rows, so the causal conv of `ops.conv` sees the previous tokens exactly as in one pass.
 
 Rotary positions: by default a token's rotary position is its cache row (`cached + offset`). An entry that
 carries MRoPE positions (a prompt with images) gives its prompt's `[3, L]` table and its `delta`: row r < L
 rotates at `table[:, r]`, a later row at `r + delta` on all three axes (the reference's decode rule). Cache rows
 (`seg.position_ids`) stay the sequential offsets either way.
 
-Legend: T tokens, N entries, W window rows, C channels.
+Taking positions back (speculative decoding, a rejected draft): a `positional` state is indexed by position, so
+rows past the accepted length are invisible to every later query and overwritten before they are read; `window`
+and `recurrent` states hold the state after the last token and must be restored (`StateCache.snapshot` /
+`restore`) and the accepted tokens fed again.
+
+Legend: T tokens, N entries, S slots, W window rows, C channels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
 
 import torch
 
 from flashnext.batch import Segments, make_segments
-from flashnext.ops.conv import causal_conv1d_varlen
+
+WINDOW = "window"  # the last W rows of a per-token stream (conv inputs, n-gram context)
+RECURRENT = "recurrent"  # a state that summarises every token so far (the delta rule's)
+POSITIONAL = "positional"  # one row per position (QSA keys/values): rows past a length are never read
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-sequence state tensor a module keeps between serving steps.
+
+    Attributes:
+        shape: per-sequence shape (the cache adds a leading slot dim).
+        dtype: None = the cache's activation dtype.
+        fill: the value of an empty sequence (0, or e.g. EOS for an n-gram context).
+        kind: `WINDOW`, `RECURRENT` or `POSITIONAL` (how it behaves when positions are taken back).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+    fill: int | float = 0
+    kind: str = WINDOW
+
+
+@dataclass
+class GDNState:
+    """Gated DeltaNet: `conv` [S, K-1, conv_dim] the last pre-conv q/k/v rows; `recurrent` fp32 [S, Hv, Dk, Dv]."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+@dataclass
+class PLEState:
+    """PLE: `context` int64 [S, ngram_size-1] the last token ids (EOS before the start); `conv` [S, W, hc*D] the
+    last rows into the dilated conv (W = (K-1) * ngram_size)."""
+
+    context: torch.Tensor
+    conv: torch.Tensor
+
+
+@dataclass
+class QSAState:
+    """QSA attention, rows by position: rotated keys `k` and values `v` [S, Lc, Hkv, D], raw indexer keys `raw_k`
+    [S, Lc, Di], and `block_k` [S, Lc/c, Di], each complete block's pooled, normed, rotated key (written once when
+    the block completes). Lc = (max_len // c + 1) * c holds a whole tail block past the last position."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    raw_k: torch.Tensor
+    block_k: torch.Tensor
+
+
+def state_buffers(state) -> dict[str, torch.Tensor]:
+    """The fields of a typed state record (buffers, or `StateSpec`s for a declaration), by name."""
+    return {f.name: getattr(state, f.name) for f in fields(state)}
+
+
+B = TypeVar("B")
 
 
 @dataclass
@@ -66,12 +134,6 @@ class StepBatch:
     mrope: list | None = None
     rope_positions: torch.Tensor | None = None
     slot_run: tuple[int, int] | None = None
-    _ext: dict = field(default_factory=dict)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every entry has exactly one token (the recurrent single-step paths apply)."""
-        return all(n == 1 for n in self.seg.lengths)
 
     def gather(self, buf: torch.Tensor) -> torch.Tensor:
         """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
@@ -91,75 +153,26 @@ class StepBatch:
         elif any(self.live_host):
             buf.index_copy_(0, self.live_slots, rows.index_select(0, self.live_idx).to(buf.dtype))
 
-    def extended(self, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Index maps of the stream extended by W history rows before every entry (memoised per W).
 
-        Returns:
-            pos_ext int64 [T + N*W] (offset within the extended entry), real int64 [T] (row of each token in
-            the extended stream), head int64 [N, W] (the entry's W history rows), tail int64 [N, W] (the entry's
-            last W extended rows: its next window).
-        """
-        if W not in self._ext:
-            lengths = self.seg.lengths
-            dev = self.seg.seq_idx.device
-            N = len(lengths)
-            ext_len = torch.tensor([n + W for n in lengths], dtype=torch.long)
-            ext_start = torch.cumsum(ext_len, 0) - ext_len
-            total = int(ext_len.sum())
-            seq = torch.repeat_interleave(torch.arange(N), ext_len, output_size=total)
-            pos_ext = torch.arange(total) - ext_start[seq]
-            real = self.seg.seq_idx.cpu() * W + torch.arange(self.seg.num_tokens) + W
-            head = ext_start[:, None] + torch.arange(W)
-            tail = (ext_start + ext_len - W)[:, None] + torch.arange(W)
-            self._ext[W] = tuple(t.to(dev) for t in (pos_ext, real, head, tail))
-        return self._ext[W]
+@dataclass
+class StepState(Generic[B]):
+    """What a module's forward gets as `state` in a serving step: the step and the module's own buffers `bufs`
+    (a `GDNState`, `PLEState`, `QSAState`, or a decoder layer's dict of them)."""
 
-    def with_history(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put each entry's W cached rows before its new rows.
+    step: StepBatch
+    bufs: B
 
-        Args:
-            x: [T, *C] new rows; hist: [N, W, *C] cached rows of each entry's slot (zeros/EOS for a fresh one).
+    def read(self, buf: torch.Tensor) -> torch.Tensor:
+        """The step's entries' rows of `buf` [S, ...] -> [N, ...] (a view of the cache on a slot run)."""
+        return self.step.gather(buf)
 
-        Returns:
-            x_ext [T + N*W, *C] and pos_ext [T + N*W].
-        """
-        N, W = hist.shape[:2]
-        pos_ext, real, head, _ = self.extended(W)
-        if self.is_decode:  # [hist, token] per entry is already the extended layout
-            return torch.cat([hist.to(x.dtype), x.unsqueeze(1)], dim=1).flatten(0, 1), pos_ext
-        x_ext = x.new_empty(x.shape[0] + N * W, *x.shape[1:])
-        x_ext.index_copy_(0, real, x)
-        x_ext.index_copy_(0, head.flatten(), hist.reshape(N * W, *x.shape[1:]).to(x.dtype))
-        return x_ext, pos_ext
+    def write(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store the live entries' rows [N, ...] into their slots of `buf`."""
+        self.step.store(buf, rows)
 
-    def conv(self, x_ext: torch.Tensor, pos_ext: torch.Tensor, weight: torch.Tensor, W: int, dilation: int = 1):
-        """`ops.conv.causal_conv1d_varlen` over the extended stream, returned at the real rows: [T, C].
-
-        A decode step computes only each entry's last row, with the same taps in the same order.
-        """
-        if not self.is_decode:
-            return causal_conv1d_varlen(x_ext, weight, pos_ext, dilation)[self.extended(W)[1]]
-        K = weight.shape[-1]
-        out_dtype = weight.dtype
-        acc = torch.promote_types(out_dtype, torch.float32)
-        x3 = x_ext.to(out_dtype).to(acc).view(-1, W + 1, x_ext.shape[-1])
-        weight = weight.to(acc)
-        out = x3[:, W] * weight[:, K - 1]
-        for k in range(1, K):
-            out = out + x3[:, W - k * dilation] * weight[:, K - 1 - k]
-        return out.to(out_dtype)
-
-    def write_window(self, buf: torch.Tensor, x_ext: torch.Tensor) -> None:
-        """Store each live entry's last W extended rows as its slot's next window. buf: [S, W, *C]."""
-        W = buf.shape[1]
-        if W == 0 or not any(self.live_host):
-            return
-        if self.slot_run is not None and self.is_decode:  # entry i's window: rows 1..W of its [W + 1] block
-            buf.narrow(0, *self.slot_run).copy_(x_ext.view(-1, W + 1, *x_ext.shape[1:])[:, 1:])
-            return
-        rows = self.extended(W)[3].index_select(0, self.live_idx).flatten()
-        n = self.live_idx.shape[0]
-        buf.index_copy_(0, self.live_slots, x_ext.index_select(0, rows).view(n, W, *x_ext.shape[1:]).to(buf.dtype))
+    def part(self, name: str) -> StepState:
+        """The state of one part of a layer (`bufs` a dict by role, e.g. "ple")."""
+        return StepState(self.step, self.bufs[name])
 
 
 def make_step(
