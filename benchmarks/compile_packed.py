@@ -2,14 +2,14 @@
 
 Two copies of one model (same weights), each with its own AdamW, run the same training steps (forward, loss,
 backward, AdamW step) over micro-batches packing `1, 2, 4, 1, 3, 7, 1, 16` sequences of random lengths (so the
-totals change every step too). The compiled copy goes through `flashnext.train.compile.compile_model`. Steps
+totals change every step too). The compiled copy goes through `flashnext.compile.compile_model`. Steps
 alternate eager / compiled so load from elsewhere on the machine falls on both alike. fp32, 2 threads.
 
 Recompiles are dynamo's frame conversions (`torch._dynamo.utils.counters["frames"]["total"]`: every cache miss is
 one) counted after the warm-up, which is the first single-sequence step and the first multi-sequence step: the
 first compiles everything, the second turns the graph segments between opaque ops dynamic in T. Every later step
 (one sequence, many, other totals) must reuse those graphs (T turns dynamic unbacked, so inductor's size-dependent
-codegen choices install no guard; see `flashnext.train.compile`). Exit status 1 when the count is not 0.
+codegen choices install no guard; see `flashnext.compile`). Exit status 1 when the count is not 0.
 
 Output:
     step=<i> seqs=<n> tokens=<T> eager=<s> compiled=<s> loss_diff=<|eager - compiled|>
@@ -64,7 +64,7 @@ def make_batches(counts: list[int], min_len: int, max_len: int, vocab: int, seed
 
 def train_step(model, opt, ids, cu, compiled: bool) -> tuple[float, float]:
     """Forward, loss, backward, AdamW step; returns (seconds, loss)."""
-    from flashnext.train.compile import mark_dynamic_batch
+    from flashnext.compile import mark_dynamic_batch
 
     ids, cu, labels = ids.clone(), cu.clone(), ids.clone()  # fresh tensors, as a data loader hands out
     if compiled:
@@ -94,9 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     args = parser.parse_args(argv)
 
+    from flashnext.compile import compile_model
     from flashnext.config import TextConfig
     from flashnext.model.text import FlashNextForCausalLM
-    from flashnext.train.compile import compile_model
 
     torch.set_num_threads(args.threads)
     cfg = TextConfig.from_dict(model_config(args.config))

@@ -1,7 +1,7 @@
 """`flashnext flops`: per-component FLOPs of a packed batch, and a named error for bad lengths."""
 
-from flashnext.cli import main, tiny_config
-from flashnext.config import parse_config
+from flashnext.cli import main
+from flashnext.config import parse_config, tiny_config
 from flashnext.flops import count_flops
 
 

@@ -2,13 +2,13 @@
 
 from flashnext.config import ModelConfig, TextConfig, load_config
 
-__all__ = ["ModelConfig", "TextConfig", "from_pretrained", "load_config"]
+__all__ = ["ModelConfig", "TextConfig", "build_model", "from_pretrained", "load_config"]
 
 
 def __getattr__(name: str):
     # Lazy: `import flashnext` stays cheap (no model or safetensors import until first use).
-    if name == "from_pretrained":
-        from flashnext.checkpoint.pretrained import from_pretrained
+    if name in ("from_pretrained", "build_model"):
+        from flashnext import build
 
-        return from_pretrained
+        return getattr(build, name)
     raise AttributeError(f"module 'flashnext' has no attribute {name!r}")

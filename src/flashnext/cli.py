@@ -18,18 +18,16 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from flashnext.config import TextConfig, load_config, parse_config
+from flashnext.config import TextConfig, load_config, tiny_config
 from flashnext.errors import FlashNextError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,12 +38,6 @@ class DemoCheckFailed(RuntimeError):
 
 
 # ---- inputs --------------------------------------------------------------------------------------
-def tiny_config() -> TextConfig:
-    """The embedded tiny default (`flashnext/configs/tiny.json`)."""
-    text = resources.files("flashnext").joinpath("configs/tiny.json").read_text()
-    return parse_config(json.loads(text)).text
-
-
 def demo_lengths(seq_len: int) -> list[int]:
     """Three sequence lengths for the demo batch: the longest, a middle one, and a short one."""
     return [seq_len, min(seq_len, seq_len // 2 + 3), min(5, seq_len)]
@@ -98,19 +90,6 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def build_model(cfg: TextConfig, seed: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """A randomly initialised model, deterministic in `seed`."""
-    from flashnext.model.text import FlashNextForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = FlashNextForCausalLM(cfg)
-    init = getattr(model, "init_weights", None)
-    if callable(init):
-        init(seed)
-    return model.to(dtype).eval()
-
-
 # ---- demo ----------------------------------------------------------------------------------------
 def run_demo(args: argparse.Namespace) -> None:
     import flashnext
@@ -122,7 +101,7 @@ def run_demo(args: argparse.Namespace) -> None:
     say = print
 
     t0 = time.perf_counter()
-    model = build_model(cfg, args.seed, dtype, args.device)
+    model = flashnext.build_model(cfg, seed=args.seed, dtype=dtype, device=args.device)
     n_params = sum(p.numel() for p in model.parameters())
     say(
         f"model: {n_params / 1e6:.3f}M params, {cfg.num_hidden_layers} layers {cfg.layer_types}, "

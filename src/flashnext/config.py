@@ -375,3 +375,15 @@ def load_config(path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r}")
     return parse_config(json.loads(path.read_text()))
+
+
+def tiny_config_dict() -> dict[str, Any]:
+    """The embedded tiny default's `config.json` (package data `flashnext/configs/tiny.json`): the one reader."""
+    from importlib import resources
+
+    return json.loads(resources.files("flashnext").joinpath("configs/tiny.json").read_text())
+
+
+def tiny_config() -> TextConfig:
+    """The embedded tiny default (`flashnext/configs/tiny.json`)."""
+    return parse_config(tiny_config_dict()).text

@@ -140,7 +140,7 @@ def muon_step(model, rank: int = 0, world: int = 1) -> tuple[dict, dict, dict]:
     """One step of `build_optimizer`'s Muon / ExpertMuon / AdamW (made shard-aware): (param deltas, report, opts).
 
     The report also counts, under "ns_matrices", the [m, n] matrices this rank orthogonalised."""
-    import flashnext.train.optim as optim_module
+    import flashnext.muon as optim_module
 
     optimizers, report = build_optimizer(model, OptimConfig(lr=1e-3, muon_lr=0.02, max_grad_norm=0))
     shard_aware_optimizers(optimizers)

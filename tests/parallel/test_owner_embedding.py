@@ -125,7 +125,7 @@ def _check_out_of_range(rank: int, world: int) -> dict:
 
 def _check_swap_model(rank: int, world: int) -> dict:
     """The tiny model with its n-gram table swapped: same logits as unsharded, grads = slice of the full grad."""
-    from flashnext.cli import tiny_config
+    from flashnext.config import tiny_config
     from flashnext.model.text import FlashNextForCausalLM
 
     torch.manual_seed(0)

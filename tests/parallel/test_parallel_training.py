@@ -265,9 +265,9 @@ def test_compile_hook_is_called_when_asked(monkeypatch):
     import types
 
     calls = []
-    fake = types.ModuleType("flashnext.train.compile")
+    fake = types.ModuleType("flashnext.compile")
     fake.compile_model = lambda model: calls.append(type(model).__name__)
-    monkeypatch.setitem(sys.modules, "flashnext.train.compile", fake)
+    monkeypatch.setitem(sys.modules, "flashnext.compile", fake)
     with torch.device("meta"):
         model = FlashNextForCausalLM(pc.small_model_config())
     parallelize(model, None, ParallelConfig(ac=False, compile=True, seed=None))

@@ -14,8 +14,7 @@ import torch
 from serve_helpers import running_server
 
 from flashnext.batch import make_segments
-from flashnext.cli import tiny_config
-from flashnext.config import parse_config
+from flashnext.config import parse_config, tiny_config
 from flashnext.errors import InputError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration, get_rope_index
 from flashnext.serve.engine import Engine

@@ -87,7 +87,8 @@ def _shard(entries: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list
     return files
 
 
-def _config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+def config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The `config.json` of a checkpoint whose floating-point tensors are `dtype` (as transformers writes it)."""
     out = cfg.to_dict()
     out["dtype"] = str(dtype).removeprefix("torch.")  # transformers' dtype="auto" reads this
     return out
@@ -142,5 +143,5 @@ def save_pretrained(
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     _remove_stale(directory, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
     dtype = next((t.dtype for _, t in entries if t.is_floating_point()), torch.float32)
-    (directory / "config.json").write_text(json.dumps(_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
+    (directory / "config.json").write_text(json.dumps(config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
     return directory

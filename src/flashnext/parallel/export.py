@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE
 from flashnext.checkpoint.load import HEAD, ties_embeddings
-from flashnext.checkpoint.save import _config_dict, model_config_of
+from flashnext.checkpoint.save import config_dict, model_config_of
 from flashnext.config import ModelConfig
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
@@ -154,7 +154,7 @@ def export_pretrained(model: nn.Module, directory: str | Path, *, config: ModelC
     if main:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (directory / "config.json").write_text(json.dumps(_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
+        (directory / "config.json").write_text(json.dumps(config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
         written += [directory / INDEX_FILE, directory / "config.json"]
     if dist.is_initialized():
         dist.barrier()

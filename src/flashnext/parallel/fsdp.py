@@ -3,9 +3,9 @@
 Order (each step sees the model the previous one left):
   1. swap every PLE n-gram table for an `OwnerRoutedEmbedding` holding this rank's rows (on `meta` the rows stay
      on `meta`; a materialised table is sliced and the full one released);
-  2. optional `torch.compile` of each decoder layer (`flashnext.train.compile.compile_model`, imported only when
+  2. optional `torch.compile` of each decoder layer (`flashnext.compile.compile_model`, imported only when
      asked for; it must see the plain layers, so it comes before checkpointing);
-  3. activation checkpointing per decoder layer (`train/checkpointing.py`);
+  3. activation checkpointing per decoder layer (`activation_checkpoint.py`);
   4. FSDP2 `fully_shard` on each decoder layer, then on the root, with the n-gram tables in `ignored_params`: they
      are never all-gathered and their gradients are never reduced (each rank's table gradient already holds every
      rank's contributions to its rows: the embedding's backward all-to-all delivered them);
@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from flashnext.activation_checkpoint import apply_activation_checkpointing
 from flashnext.errors import ConfigError
 from flashnext.parallel.init import init_weights_local
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding, swap_ngram_embeddings
-from flashnext.train.checkpointing import apply_activation_checkpointing
 
 __all__ = ["ParallelConfig", "parallelize", "local_row_params", "clip_grad_norm_distributed"]
 
@@ -48,7 +48,7 @@ class ParallelConfig(BaseModel):
     ac: bool = True
     """Activation checkpointing per decoder layer (recomputed in backward, exact)."""
     compile: bool = False
-    """Call `flashnext.train.compile.compile_model(model)` before FSDP wrapping."""
+    """Call `flashnext.compile.compile_model(model)` before FSDP wrapping."""
     dedup: bool = True
     """Owner-routed n-gram lookups send each distinct id once per (rank, owner)."""
     mixed_precision: bool = True
@@ -99,8 +99,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: ParallelConfig |
             for m in model.modules():
                 if isinstance(m, OwnerRoutedEmbedding):
                     m.to(device)
-    if cfg.compile:  # before checkpointing: compile_model wraps the plain layers (train/compile.py)
-        from flashnext.train.compile import compile_model
+    if cfg.compile:  # before checkpointing: compile_model wraps the plain layers (compile.py)
+        from flashnext.compile import compile_model
 
         compile_model(model)
     if cfg.ac:

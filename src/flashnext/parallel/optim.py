@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flashnext.train.optim import Muon
+from flashnext.muon import Muon
 
 __all__ = ["gather_step", "shard_aware_optimizers"]
 

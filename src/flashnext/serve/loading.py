@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from flashnext.config import tiny_config
+
 DEFAULT_SEED = 0
 DEFAULT_NAME = "flashnext-tiny"
 
@@ -17,18 +19,12 @@ def load_for_serving(model_dir: str | Path | None, dtype: torch.dtype = torch.fl
     and the bundled tokenizer. With it: `from_pretrained(model_dir)` and the tokenizer files found there (None if
     the checkpoint ships none: prompts must then be token ids).
     """
+    from flashnext.build import build_model, from_pretrained
     from flashnext.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if model_dir is None:
-        from flashnext.cli import tiny_config
-        from flashnext.model.text import FlashNextForCausalLM
-
-        model = FlashNextForCausalLM(tiny_config())
-        model.init_weights(seed)
-        return model.to(dtype).eval(), load_tokenizer(), DEFAULT_NAME
-    from flashnext import from_pretrained
-
+        return build_model(tiny_config(), seed=seed, dtype=dtype), load_tokenizer(), DEFAULT_NAME
     path = Path(model_dir)
-    model = from_pretrained(path, dtype=dtype, device="cpu").eval()
+    model = from_pretrained(path, dtype=dtype, device="cpu")
     tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILE).exists() else None
     return model, tokenizer, path.resolve().name

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from flashnext.batch import PackedBatch, make_segments, next_token_targets
-from flashnext.config import TextConfig, load_config, parse_config
+from flashnext.config import TextConfig, load_config, parse_config, tiny_config_dict
 from flashnext.errors import ConfigError, InputError
 from flashnext.parallel.dist import DistContext, destroy_distributed, init_distributed
 from flashnext.train import state_io as ckpt
@@ -63,9 +63,7 @@ def model_text_config(cfg: RunConfig) -> TextConfig:
     if section.path is not None:
         return load_config(section.path).text
     if section.config == "tiny":
-        from importlib import resources
-
-        raw = json.loads(resources.files("flashnext").joinpath("configs/tiny.json").read_text())
+        raw = tiny_config_dict()
     else:
         raw = load_config(section.config).to_dict() if Path(section.config).exists() else None
         if raw is None:
@@ -84,21 +82,15 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
     With a process group the model is handed to `parallelize` (owner-routed n-gram tables, activation
     checkpointing, compile, FSDP2): a random init is built on `meta` and only local shards are materialised.
     """
-    from flashnext.model.text import FlashNextForCausalLM
+    from flashnext import build
 
     dtype = _DTYPES[cfg.model.dtype]
     distributed = ctx is not None and ctx.distributed
     if cfg.model.path is not None:
-        import flashnext
-
-        model = flashnext.from_pretrained(cfg.model.path, dtype=dtype, device="cpu" if distributed else device)
-    else:
-        with torch.device("meta"):
-            model = FlashNextForCausalLM(model_text_config(cfg))
-        model.to(dtype)
-        if not distributed:
-            model.to_empty(device=device)
-            model.init_weights(cfg.model.seed)
+        model = build.from_pretrained(cfg.model.path, dtype=dtype, device="cpu" if distributed else device)
+    else:  # distributed: on meta, materialised shard by shard by parallelize
+        text = model_text_config(cfg)
+        model = build.build_model(text, seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device)
     if distributed:
         from flashnext.parallel import ParallelConfig, parallelize
 
@@ -175,11 +167,11 @@ class Trainer:
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
         if cfg.train.compile and not self.ctx.distributed:  # parallelize applied both otherwise
-            from flashnext.train.compile import compile_model
+            from flashnext.compile import compile_model
 
             compile_model(self.model)  # before checkpointing: it compiles the plain layers
         if cfg.train.activation_checkpointing and not self.ctx.distributed:
-            from flashnext.train.checkpointing import apply_activation_checkpointing
+            from flashnext.activation_checkpoint import apply_activation_checkpointing
 
             apply_activation_checkpointing(self.model)
         self.optimizers, self.param_groups = build_optimizer(self.model, cfg.optim)

@@ -32,7 +32,7 @@ Layers of equal structure share graphs (dynamo caches per code object), so a mod
 `torch.compile`'s per-region argument) instead of changing the global dynamo config. No other knob is needed:
 `capture_scalar_outputs` would only matter for the MoE capacity, which stays in an opaque op.
 
-Order with activation checkpointing: `compile_model` first, then `train.checkpointing.apply_activation_checkpointing`.
+Order with activation checkpointing: `compile_model` first, then `activation_checkpoint.apply_activation_checkpointing`.
 The checkpoint then wraps the compiled layer from outside (eager non-reentrant checkpoint; the recompute re-runs
 the same compiled graphs). The other order would ask dynamo to trace the checkpoint region as one higher-order op,
 which the graph breaks at the opaque ops do not allow; `compile_model` refuses a checkpointed model.

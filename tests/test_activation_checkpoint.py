@@ -2,9 +2,9 @@
 
 import torch
 
+from flashnext.activation_checkpoint import apply_activation_checkpointing
 from flashnext.config import TextConfig
 from flashnext.model.text import FlashNextForCausalLM
-from flashnext.train.checkpointing import apply_activation_checkpointing
 
 
 def _model(cfg):

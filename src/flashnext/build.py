@@ -1,14 +1,58 @@
-"""`from_pretrained`: build the model on the meta device, allocate it once in its final dtype, stream weights in."""
+"""The one place models are built: from a checkpoint (`from_pretrained`) or from a config with a seeded random init
+(`build_model`). The CLI, the trainer and the server all call these.
+
+Both build on the meta device, cast there (free), allocate once in the final dtype/device with `to_empty`, recompute
+the derived buffers, then fill the weights (streamed from the checkpoint, or drawn by `init_weights(seed)`), so no
+parameter is ever materialised twice.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from flashnext.checkpoint.load import load_checkpoint
-from flashnext.config import load_config
+from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
+from flashnext.model.multimodal import FlashNextForConditionalGeneration
+from flashnext.model.text import FlashNextForCausalLM
+
+
+def build_model(
+    config: TextConfig | ModelConfig,
+    *,
+    seed: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """A model of `config` (a composite `ModelConfig` with a vision tower gives the composite model).
+
+    Args:
+        config: the model config.
+        seed: random init (`init_weights(seed)`, deterministic in the seed); None leaves the weights unset
+            (allocated, not initialised: for a caller that fills them, e.g. `load_state_dict`).
+        dtype: floating-point dtype of the parameters.
+        device: where the parameters live; "meta" returns the model unallocated (for `parallelize`, which
+            materialises only the local shards).
+
+    Returns:
+        The model in eval mode.
+    """
+    multimodal = isinstance(config, ModelConfig) and config.vision_config is not None
+    with torch.device("meta"):
+        if multimodal:
+            model = FlashNextForConditionalGeneration(config)
+        else:
+            model = FlashNextForCausalLM(config.text if isinstance(config, ModelConfig) else config)
+    model.to(dtype=dtype)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.reset_buffers()
+        if seed is not None:
+            model.init_weights(seed)
+    return model.eval()
 
 
 def from_pretrained(
@@ -35,16 +79,9 @@ def from_pretrained(
         ConfigError: invalid `config.json`.
         CheckpointError: missing/unexpected/mis-shaped/wrong-dtype keys or unreadable files, all listed.
     """
-    from flashnext.model.multimodal import FlashNextForConditionalGeneration  # deferred: keeps `import flashnext` cheap
-    from flashnext.model.text import FlashNextForCausalLM
-
     cfg = load_config(path)
     multimodal = cfg.vision_config is not None
-    with torch.device("meta"):
-        model = FlashNextForConditionalGeneration(cfg) if multimodal else FlashNextForCausalLM(cfg.text)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.reset_buffers()
+    model = build_model(cfg, dtype=dtype, device=device)
     model.model_config = cfg
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     try:

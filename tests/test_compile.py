@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from flashnext.activation_checkpoint import apply_activation_checkpointing
+from flashnext.compile import compile_model, mark_dynamic_batch
 from flashnext.config import TextConfig
 from flashnext.errors import ConfigError
 from flashnext.model.text import FlashNextForCausalLM
-from flashnext.train.checkpointing import apply_activation_checkpointing
-from flashnext.train.compile import compile_model, mark_dynamic_batch
 
 COUNTS = [1, 2, 4, 1, 3]
 WARMUP = 2  # the first single-sequence and the first multi-sequence step may compile
