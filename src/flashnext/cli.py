@@ -152,15 +152,19 @@ def forward_and_check(model, reloaded, cfg: TextConfig, args: argparse.Namespace
         raise DemoCheckFailed(f"unexpected logits shapes: packed {tuple(packed.shape)}, padded {tuple(padded.shape)}")
     if not torch.isfinite(packed).all():
         raise DemoCheckFailed("packed logits contain NaN or inf")
-    if not torch.equal(packed, packed_again):
-        raise DemoCheckFailed(
-            f"reloaded model's logits differ from the original's: max |diff| = "
-            f"{(packed.float() - packed_again.float()).abs().max().item():.3e}"
-        )
-    say("check: reloaded logits == original logits (bitwise)")
+    # Saving and loading copies every weight: equal bit for bit. The logits of the two instances are not: GEMM
+    # blocking (hence summation order) may follow operand alignment and thread count, so they match to rounding.
+    weights = reloaded.state_dict()
+    changed = [k for k, t in model.state_dict().items() if not torch.equal(t, weights[k])]
+    if changed:
+        raise DemoCheckFailed(f"reloaded weights differ from the original's: {changed[:5]}")
+    tol = 1e-4 if packed.dtype == torch.float32 else 2e-2
+    reload_diff = rel_diff(packed_again, packed)
+    if reload_diff > tol:
+        raise DemoCheckFailed(f"reloaded model's logits differ from the original's: rel. error {reload_diff:.3e}")
+    say(f"check: reloaded weights == original weights (bitwise), logits rel. error {reload_diff:.2e} <= {tol:g}")
     unpadded = padded[mask.bool()]
     diff = rel_diff(unpadded, packed)
-    tol = 1e-4 if packed.dtype == torch.float32 else 2e-2
     if diff > tol:
         raise DemoCheckFailed(f"padded and packed logits differ: rel. error {diff:.3e} > {tol:g}")
     say(f"check: padded logits == packed logits (rel. error {diff:.2e} <= {tol:g})")
