@@ -270,9 +270,10 @@ class Engine:
                     self._suspects.remove(req)
                 rows.append(i)
                 to_sample.append(req)
-                for child in self._fork(req):
-                    rows.append(i)
-                    to_sample.append(child)
+                if req.forks:  # prompt prefilled: its other choices start from a copy of its state
+                    for child in self._fork(req):
+                        rows.append(i)
+                        to_sample.append(child)
         if to_sample:
             self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
         self.stats.step(prompt_fed, time.perf_counter() - t0, len(to_sample), recomputed)
