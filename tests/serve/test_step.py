@@ -187,6 +187,23 @@ def test_slot_run_path_equals_indexed_path(model, tokens):
         assert torch.equal(x, y)
 
 
+def test_copy_slot_forks_a_sequence(model):
+    """`copy_slot` copies every buffer row of a slot (and touches no other slot); the copy then continues the
+    sequence as the original does. (Different slots are different memory, hence the float tolerance.)"""
+    ids = _rand(13, 11)
+    cache = StateCache(model, max_slots=3, max_model_len=64)
+    a, b, c = (cache.allocate() for _ in range(3))
+    _feed(model, cache, a, ids, [13])
+    _feed(model, cache, c, _rand(5, 12), [5])
+    other = slot_state(cache, c)
+    cache.copy_slot(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(slot_state(cache, b), slot_state(cache, a), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(slot_state(cache, c), other, strict=True))
+    out_a = run_step(model, cache, [(a, 13, [7])])
+    out_b = run_step(model, cache, [(b, 13, [7])])
+    torch.testing.assert_close(out_b, out_a, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("accepted", [0, 2, 5], ids=["none", "some", "all"])
 def test_rollback_to_accepted_length_equals_never_seen(model, accepted):
     """Speculative decoding's rollback on the plain step: snapshot, a step with 5 draft tokens (crossing QSA

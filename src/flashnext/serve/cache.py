@@ -98,6 +98,18 @@ class StateCache:
         for buf, fill in self._fills:
             buf[slot].fill_(fill)
 
+    @torch.no_grad()
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make `dst`'s state a copy of `src`'s, in place (a fork: both continue the same sequence).
+
+        Generic over `buffers()`: every per-slot buffer, whatever the layer kinds, is copied row for row, so `dst`
+        then behaves exactly as `src` would (n choices of one prompt share its prefill this way).
+        """
+        if src == dst:
+            return
+        for buf in self.buffers():
+            buf[dst].copy_(buf[src])
+
     # ---- taking positions back ------------------------------------------------------------------------
     @torch.no_grad()
     def snapshot(self, slots: list[int]) -> Snapshot:
