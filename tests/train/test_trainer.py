@@ -100,7 +100,7 @@ def test_run_config_file_overrides_and_errors(tmp_path):
         ("[train]\neval_every = 5\n", [], r"train\.eval_every=5 needs a held-out split.*train\.eval_every from RUN; "
          r"data\.eval_fraction the default"),
         ("", ["--data.eval_fraction=0.1", "--data.eval_path=x.jsonl"], r"data: give one held-out split"),
-        ("", ["--train.overwrite=true", "--checkpoint.resume=latest"], r"train\.overwrite=true deletes the checkpoints"),
+        ("", ["--train.overwrite=true", "--checkpoint.resume=latest"], r"train\.overwrite=true deletes the"),
     ],
     ids=["warmup-cli-steps", "warmup-cli-warmup", "warmup-default", "total", "steps0-cli", "steps0-file", "unknown",
          "section-override", "eval-every", "two-evals", "overwrite-resume"],

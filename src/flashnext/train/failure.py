@@ -2,13 +2,14 @@
 
 In a single process the line goes to stderr. Under `torchrun` every rank usually fails the same way (they read the
 same config and data), and N copies of the line plus N tracebacks drown the cause. So:
-- rank 0 prints the line and posts it to the launcher's key-value store (the `TCPStore` at `MASTER_ADDR:MASTER_PORT`
+- rank 0 prints the line, then posts it to the launcher's key-value store (the `TCPStore` at `MASTER_ADDR:MASTER_PORT`
   that torchrun's agent hosts for its workers; reachable before any process group exists);
 - any other rank waits a few seconds for rank 0's line: the same line -> it stays silent; a different line, or
   none (rank 0 is fine, or slower) -> it prints its own, prefixed with `[rank r]`. Without a reachable store it
   prints with the prefix, so no rank's cause is ever lost;
-- every rank also writes its line to torchrun's per-worker error file (`TORCHELASTIC_ERROR_FILE`), so the
-  launcher's closing `ChildFailedError` summary names the cause instead of a link about enabling tracebacks.
+- every rank also writes its line (or "the same as rank 0's") to torchrun's per-worker error file
+  (`TORCHELASTIC_ERROR_FILE`), so the launcher's closing `ChildFailedError` summary names the cause instead of a
+  link about enabling tracebacks.
 The launcher's summary itself is torchrun's output and cannot be silenced from a worker.
 """
 
@@ -58,7 +59,8 @@ def _record_for_launcher(line: str) -> None:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # torchrun's structured format (the one its `record` decorator writes), without a traceback to show
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
 
@@ -75,15 +77,18 @@ def report_fatal(message: str, prog: str = "flashnext train") -> None:
     """Print `prog: error: message` once per job (see the module docstring)."""
     line = f"{prog}: error: {message}"
     rank = _rank()
-    _record_for_launcher(line)
     store = _store() if "WORLD_SIZE" in os.environ else None
     if rank == 0:
+        _record_for_launcher(line)
+        print(line, file=sys.stderr, flush=True)  # first: the others may exit (and torchrun end this one) once told
         if store is not None:
             try:
                 store.set(_key(), line)
             except Exception:
                 pass
-        print(line, file=sys.stderr, flush=True)
         return
-    if store is None or _rank0_line(store) != line:
-        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+    if store is not None and _rank0_line(store) == line:
+        _record_for_launcher(f"{prog}: error: the same as rank 0's")  # the summary lists each failed rank
+        return
+    _record_for_launcher(line)
+    print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
