@@ -1,10 +1,14 @@
 """The held-out loss: a fixed split by seed, the training loss's definition over the split, no gradient, logged."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from test_trainer import _config, _write_pretokenized
+from test_trainer import _overrides as _config_args
 
 from flashnext.errors import InputError
 from flashnext.train.data import Example
@@ -90,3 +94,22 @@ def test_eval_path_holds_out_a_separate_file(small_config, tmp_path):
     bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, 99]}\n')
     with pytest.raises(InputError, match=r"bad\.jsonl:2: 'input_ids' has id 99"):  # checked like the training file
         Trainer(_config(small_config, tmp_path, data, f"--data.eval_path={json.dumps(str(bad))}"))
+
+
+def test_torchrun_eval_loss_equals_one_process(small_config, tmp_path):
+    """Under a process group the held-out batches are dealt round-robin (an odd count here: one rank runs a
+    discarded extra forward so FSDP's collectives pair up); the loss is the one-process loss."""
+    from test_failure import _free_port
+
+    data = _write_pretokenized(tmp_path / "d.jsonl", n=40)
+    extra = ["--train.steps=2", "--data.eval_fraction=0.25", "--train.activation_checkpointing=true"]
+    one = Trainer(_config(small_config, tmp_path / "one", data, *extra, "--data.micro_batches=4"))
+    assert len(one.evaluator.batches) % 2 == 1
+    expected = one.run()
+    args = [a for a in _config_args(small_config, tmp_path / "two", data, *extra) if "micro_batches" not in a]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "flashnext.train", *args, "--data.micro_batches=2"]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = [json.loads(x) for x in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert two[-1]["eval_loss"] == pytest.approx(expected[-1]["eval_loss"], rel=1e-5)  # sums in another order
