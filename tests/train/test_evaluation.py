@@ -10,7 +10,7 @@ import torch
 from test_trainer import _config, _write_pretokenized
 from test_trainer import _overrides as _config_args
 
-from flashnext.errors import InputError
+from flashnext.errors import ConfigError, InputError
 from flashnext.train.data import Example
 from flashnext.train.loss import count_label_tokens, sft_loss
 from flashnext.train.packing import collate
@@ -90,6 +90,9 @@ def test_eval_path_holds_out_a_separate_file(small_config, tmp_path):
     assert len(tr.loader.examples) == 10 and tr.evaluator.num_examples == 4
     (m,) = tr.run()
     assert m["eval_loss"] > 0
+    with pytest.raises(ConfigError, match="train.loss='rl' needs RL records"):  # its loss is the run's loss
+        rl = _write_pretokenized(tmp_path / "rl.jsonl", n=10, rl=True)
+        Trainer(_config(small_config, tmp_path, rl, "--train.loss=rl", f"--data.eval_path={json.dumps(str(held))}"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, 99]}\n')
     with pytest.raises(InputError, match=r"bad\.jsonl:2: 'input_ids' has id 99"):  # checked like the training file

@@ -6,7 +6,6 @@ import re
 import shutil
 
 import pytest
-from conftest import SMALL_TEXT_CONFIG
 from test_trainer import _config, _overrides, _write_pretokenized
 
 from flashnext.errors import CheckpointError
@@ -42,15 +41,19 @@ def _damage(name, ckpt_dir):
     return ckpt_dir / file
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One 4-step run with checkpoints at steps 2 and 4 (copied by each test): (its directory, its metrics)."""
-    base = tmp_path_factory.mktemp("resume")
-    config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in SMALL_TEXT_CONFIG.items()}
-    data = _write_pretokenized(base / "d.jsonl", n=24)
-    said = []
-    history = Trainer(_config(config, base, data, *STEPS, *EVAL), say=said.append).run()
-    return base, _overrides(config, base, data, *STEPS, *EVAL), history, said
+_TRAINED: dict = {}  # one training run for the whole module (each test copies it)
+
+
+@pytest.fixture
+def trained(small_config, tmp_path_factory):
+    """One 4-step run with checkpoints at steps 2 and 4: (its directory, its overrides, its metrics, its lines)."""
+    if not _TRAINED:
+        base = tmp_path_factory.mktemp("resume")
+        data = _write_pretokenized(base / "d.jsonl", n=24)
+        said = []
+        history = Trainer(_config(small_config, base, data, *STEPS, *EVAL), say=said.append).run()
+        _TRAINED["run"] = base, _overrides(small_config, base, data, *STEPS, *EVAL), history, said
+    return _TRAINED["run"]
 
 
 @pytest.fixture

@@ -91,9 +91,14 @@ def test_a_run_dir_without_a_previous_run_is_not_refused(run_args, tmp_path):
     assert main(run_args) == 0
 
 
-def test_overwrite_refuses_to_delete_the_checkpoint_it_resumes_from(tmp_path):
+def test_resume_continues_this_run_only_and_overwrite_never_deletes_what_it_resumes(tmp_path):
     out = tmp_path / "run"
     _old_run(out)
+    own = str(out / "checkpoints" / "step_00000160")
+    run_dir.check_out_dir(out, "latest", overwrite=False)
+    run_dir.check_out_dir(out, own, overwrite=False)  # rewinding this run
+    with pytest.raises(ConfigError, match="already holds a run .* and this one resumes a checkpoint from elsewhere"):
+        run_dir.check_out_dir(out, str(tmp_path / "other" / "step_00000002"), overwrite=False)
     with pytest.raises(ConfigError, match="would delete checkpoint.resume="):
-        run_dir.check_out_dir(out, str(out / "checkpoints" / "step_00000160"), overwrite=True)
+        run_dir.check_out_dir(out, own, overwrite=True)
     run_dir.check_out_dir(out, str(tmp_path / "elsewhere"), overwrite=True)  # a checkpoint outside: fine

@@ -31,26 +31,30 @@ def previous_run(out_dir: str | Path) -> list[str]:
 
 
 def check_out_dir(out_dir: str | Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse a new run into an `out_dir` holding a previous one, unless it resumes or overwrites.
+    """Refuse a new run into an `out_dir` holding a previous one, unless it resumes that run or overwrites it.
+
+    Resuming means `latest` or a checkpoint inside `out_dir`; a checkpoint from elsewhere starts a new run here, so
+    it is refused like a fresh start (it would rewrite this run's metrics and outrank or prune its checkpoints).
 
     Raises:
-        ConfigError: naming `out_dir`, what it holds, and the three ways on; or when `overwrite` would delete the
+        ConfigError: naming `out_dir`, what it holds, and the ways on; or when `overwrite` would delete the
             checkpoint `resume` names.
     """
     found = previous_run(out_dir)
+    inside = resume not in (None, "latest") and Path(resume).resolve().is_relative_to(Path(out_dir).resolve())
     if overwrite:
-        if resume is not None and resume != "latest" and found:
-            inside = Path(resume).resolve().is_relative_to(Path(out_dir).resolve())
-            if inside:
-                raise ConfigError(
-                    f"train.overwrite=true would delete checkpoint.resume={resume!r}, which is inside "
-                    f"out_dir={str(out_dir)!r}; copy it elsewhere first or drop --overwrite"
-                )
+        if inside and found:
+            raise ConfigError(
+                f"train.overwrite=true would delete checkpoint.resume={resume!r}, which is inside "
+                f"out_dir={str(out_dir)!r}; copy it elsewhere first or drop --overwrite"
+            )
         return
-    if resume is None and found:
+    if found and not (resume == "latest" or inside):
+        how = "resumes a checkpoint from elsewhere" if resume is not None else "would start over"
         raise ConfigError(
-            f"out_dir={str(out_dir)!r} already holds a run ({', '.join(found)}); continue it with --resume, start "
-            f"over with --overwrite (deletes {', '.join(found)}), or choose another --out_dir"
+            f"out_dir={str(out_dir)!r} already holds a run ({', '.join(found)}) and this one {how}; continue that "
+            f"run with --resume, start over with --overwrite (train.overwrite=true: deletes {', '.join(found)}), "
+            "or choose another --out_dir"
         )
 
 

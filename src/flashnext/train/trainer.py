@@ -208,7 +208,8 @@ class Trainer:
         self.evaluator = (
             Evaluator(held_out, cfg.data.token_budget, self.cost_fn, cfg.data.truncate) if held_out else None
         )
-        if cfg.train.loss == "rl" and examples[0].inference_logprobs is None:
+        # the held-out split too: its loss is the run's loss
+        if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
         if cfg.train.compile and not self.ctx.distributed:  # parallelize applied both otherwise
