@@ -137,29 +137,148 @@ async def _off_loop(fn: Callable, on_cancel: Callable[[], None]):
         raise
 
 
-def build_app(
-    engine: Engine,
-    model_name: str,
-    api_key: str | None = None,
-    model_dir=None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    log_every: float = 10.0,
-) -> FastAPI:
-    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
+class Routes:
+    """The handlers of one served engine: model card, metrics, completions and chat (streamed or not).
 
-    `model_dir`: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
-    `max_request_bytes`: larger request bodies get 413. `log_every`: seconds between throughput log lines.
+    Args:
+        engine: the engine (stepped by `loop`, set when the app starts).
+        model_name: the served model's id.
+        model_dir: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
     """
-    state: dict = {"loop": None, "started": time.time(), "model_dir": model_dir}
-    tok = engine.tokenizer
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        state["loop"] = EngineLoop(engine, log_every)
-        yield
-        state["loop"].stop()
+    def __init__(self, engine: Engine, model_name: str, model_dir=None):
+        self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
+        self.loop: EngineLoop | None = None
+        self.started = time.time()
+        self.images: dict = {"model_dir": model_dir}  # the image processor, made on first use
 
-    app = FastAPI(title="flashnext", version="0.1.0", lifespan=lifespan)
+    async def health(self):
+        return {"status": "ok"}
+
+    async def models(self):
+        card = {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "flashnext"}
+        card["max_model_len"] = self.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    async def metrics(self):
+        return PlainTextResponse(prometheus_text(self.engine), media_type="text/plain; version=0.0.4")
+
+    def _unknown_model(self, name: str) -> JSONResponse | None:
+        if name == self.model_name:
+            return None
+        msg = f"model {show(name)} does not exist; this server serves {self.model_name!r}"
+        return _error(404, msg, param="model", code="model_not_found")
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        if (bad := self._unknown_model(body.model)) is not None:
+            return bad
+        try:
+            body.refuse_unsupported()
+            prompt = body.single_prompt()
+            params = body.sampling(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, [])
+        except FlashNextError as e:
+            return _bad(e)
+        queue = lambda rid, sink: self.engine.add_request(prompt, params, rid, sink)  # noqa: E731
+        return await self._serve(request, queue, body.stream, chat=False)
+
+    async def chat(self, body: ChatRequest, request: Request):
+        if (bad := self._unknown_model(body.model)) is not None:
+            return bad
+        if self.tok is None:
+            return _error(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
+        urls: list[str] = []
+        try:
+            body.refuse_unsupported()
+            messages = body.template_messages(urls)
+            max_tokens = body.completion_limit()
+            params = body.sampling(max_tokens or 1, body.logprobs_setting(), end_of_turn_ids(self.tok))
+        except FlashNextError as e:
+            return _bad(e)
+        queue = lambda rid, sink: self._queue_chat(rid, sink, messages, urls, params, max_tokens)  # noqa: E731
+        return await self._serve(request, queue, body.stream, chat=True)
+
+    def _queue_chat(self, rid: str, sink: _Stream, messages, urls, params, max_tokens):
+        """Worker thread: render the chat template (images expanded), tokenize, queue the request."""
+        kw = {}
+        try:
+            if urls:
+                ids, images = _image_prompt(self.engine, self.tok, messages, urls, self.images)
+                kw = dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
+            else:
+                ids = self.engine.encode(
+                    self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                )
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        if max_tokens is None:  # up to the context
+            params.max_tokens = max(1, self.engine.max_model_len - len(ids))
+        return self.engine.add_request(ids, params, rid, sink, **kw)
+
+    async def _serve(self, request: Request, queue: Callable, stream: bool, chat: bool):
+        """Queue the request off the event loop, then answer it whole or as an SSE stream."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        sink = _Stream(asyncio.get_running_loop())
+        try:
+            req = await _off_loop(lambda: queue(rid, sink), lambda: self.engine.abort(rid))
+        except FlashNextError as e:
+            return _bad(e)
+        self.loop.wake()
+        fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat)
+        if stream:
+            return StreamingResponse(self._sse(request, req, sink, fmt), media_type="text/event-stream")
+        return await self._whole(req, sink, fmt)
+
+    async def _whole(self, req, sink: _Stream, fmt: Formatter):
+        """The non-streamed answer: wait for every choice's finish snapshot (not `finished` flags, which run ahead
+        of the queue); a failed choice makes the whole response its error."""
+        texts, pending = [""] * len(req.choices), len(req.choices)
+        try:
+            while pending:
+                i, _, text, reason = await sink.queue.get()
+                texts[i] = text
+                pending -= reason is not None
+                if reason in FAILED_REASONS:
+                    self.engine.abort(req.request_id)  # the other choices cannot make a response without this one
+                    status, body = fmt.failure(req.choices[i])
+                    return JSONResponse(body, status_code=status)
+        except asyncio.CancelledError:
+            self.engine.abort(req.request_id)
+            raise
+        return fmt.final(texts)
+
+    async def _sse(self, request: Request, req, sink: _Stream, fmt: Formatter) -> AsyncIterator[str]:
+        """Server-sent events: text deltas per choice (holding back a possible stop-string prefix), then [DONE]."""
+        n = len(req.choices)
+        sent_tokens, sent_text, done = [0] * n, [""] * n, 0
+        try:
+            if fmt.chat:
+                for i in range(n):
+                    yield event(fmt.chunk(i, {"role": "assistant", "content": ""}, None))
+            while done < n:
+                try:
+                    i, ntok, text, reason = await asyncio.wait_for(sink.queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if reason in FAILED_REASONS:
+                    self.engine.abort(req.request_id)
+                    yield event(fmt.failure(req.choices[i])[1])
+                    break
+                hold = holdback(text, req.choices[i].params.stop) if reason is None else 0
+                delta = text[len(sent_text[i]) : len(text) - hold] if len(text) - hold > len(sent_text[i]) else ""
+                if ntok > sent_tokens[i] or delta or reason is not None:
+                    done += reason is not None
+                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason, last=done == n))
+                    sent_tokens[i], sent_text[i] = ntok, sent_text[i] + delta
+            yield "data: [DONE]\n\n"
+        finally:
+            if not all(c.finished for c in req.choices):
+                self.engine.abort(req.request_id)  # client went away (generator closed): free the slots
+
+
+def _install_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
+    """Validation errors as OpenAI 400 bodies naming the field, the API key on /v1/*, the body size limit."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -181,132 +300,36 @@ def build_app(
 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": int(state["started"]), "owned_by": "flashnext"}
-        card["max_model_len"] = engine.max_model_len
-        return {"object": "list", "data": [card]}
+def build_app(
+    engine: Engine,
+    model_name: str,
+    api_key: str | None = None,
+    model_dir=None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    log_every: float = 10.0,
+) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+    `model_dir`: the checkpoint directory (its image processor config). `max_request_bytes`: larger request bodies
+    get 413. `log_every`: seconds between throughput log lines.
+    """
+    routes = Routes(engine, model_name, model_dir)
 
-    def check_model(name: str) -> JSONResponse | None:
-        if name != model_name:
-            return _error(
-                404,
-                f"model {show(name)} does not exist; this server serves {model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return None
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        routes.loop = EngineLoop(engine, log_every)
+        yield
+        routes.loop.stop()
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        try:
-            body.refuse_unsupported()
-            prompt = body.single_prompt()
-            params = body.sampling(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, [])
-        except FlashNextError as e:
-            return _bad(e)
-        return await _serve(
-            request, lambda rid, sink: engine.add_request(prompt, params, rid, sink), body.stream, chat=False
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        if tok is None:
-            return _error(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
-        urls: list[str] = []
-        try:
-            body.refuse_unsupported()
-            messages = body.template_messages(urls)
-            max_tokens = body.completion_limit()
-            params = body.sampling(max_tokens or 1, body.logprobs_setting(), end_of_turn_ids(tok))
-        except FlashNextError as e:
-            return _bad(e)
-
-        def prepare(rid: str, sink: _Stream):  # worker thread: render, tokenize, queue
-            kw = {}
-            try:
-                if urls:
-                    ids, images = _image_prompt(engine, tok, messages, urls, state)
-                    kw = dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
-                else:
-                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                    ids = engine.encode(text)
-            except jinja2.TemplateError as e:
-                raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
-            if max_tokens is None:  # up to the context
-                params.max_tokens = max(1, engine.max_model_len - len(ids))
-            return engine.add_request(ids, params, rid, sink, **kw)
-
-        return await _serve(request, prepare, body.stream, chat=True)
-
-    async def _serve(request: Request, prepare: Callable, stream: bool, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        sink = _Stream(asyncio.get_running_loop())
-        try:
-            req = await _off_loop(lambda: prepare(rid, sink), lambda: engine.abort(rid))
-        except FlashNextError as e:
-            return _bad(e)
-        state["loop"].wake()
-        fmt = Formatter(rid, model_name, tok, req.choices, chat)
-        if stream:
-            return StreamingResponse(_sse(request, req, sink, fmt), media_type="text/event-stream")
-        texts, pending = [""] * len(req.choices), len(req.choices)
-        try:
-            while pending:  # count finish snapshots (not `finished` flags, which run ahead of the queue)
-                i, _, text, reason = await sink.queue.get()
-                texts[i] = text
-                pending -= reason is not None
-                if reason in FAILED_REASONS:
-                    engine.abort(rid)  # the other choices cannot make a response without this one
-                    status, body = fmt.failure(req.choices[i])
-                    return JSONResponse(body, status_code=status)
-        except asyncio.CancelledError:
-            engine.abort(rid)
-            raise
-        return fmt.final(texts)
-
-    async def _sse(request: Request, req, sink: _Stream, fmt: Formatter) -> AsyncIterator[str]:
-        n = len(req.choices)
-        sent_tokens, sent_text, done = [0] * n, [""] * n, 0
-        try:
-            if fmt.chat:
-                for i in range(n):
-                    yield event(fmt.chunk(i, {"role": "assistant", "content": ""}, None))
-            while done < n:
-                try:
-                    i, ntok, text, reason = await asyncio.wait_for(sink.queue.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                if reason in FAILED_REASONS:
-                    engine.abort(req.request_id)
-                    yield event(fmt.failure(req.choices[i])[1])
-                    break
-                stops = req.choices[i].params.stop
-                hold = holdback(text, stops) if reason is None else 0
-                delta = text[len(sent_text[i]) : len(text) - hold] if len(text) - hold > len(sent_text[i]) else ""
-                if ntok > sent_tokens[i] or delta or reason is not None:
-                    done += reason is not None
-                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason, last=done == n))
-                    sent_tokens[i], sent_text[i] = ntok, sent_text[i] + delta
-            yield "data: [DONE]\n\n"
-        finally:
-            if not all(c.finished for c in req.choices):
-                engine.abort(req.request_id)  # client went away (generator closed): free the slots
-
+    app = FastAPI(title="flashnext", version="0.1.0", lifespan=lifespan)
+    _install_guards(app, api_key, max_request_bytes)
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.get("/metrics")(routes.metrics)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat)
+    app.state.routes = routes
     return app
 
 
