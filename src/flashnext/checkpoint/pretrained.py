@@ -7,12 +7,19 @@ from pathlib import Path
 import torch
 
 from flashnext.checkpoint.load import load_checkpoint
+from flashnext.checkpoint.ngram_mmap import DEFAULT_RESIDENT_MB
+from flashnext.checkpoint.ngram_tables import prepare_ngram_storage
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError
 
 
 def from_pretrained(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    ngram_storage: str = "auto",
+    ngram_resident_mb: float | None = DEFAULT_RESIDENT_MB,
 ) -> torch.nn.Module:
     """Load a checkpoint: `FlashNextForConditionalGeneration` for a composite (`qwen4_exp`) one with a vision tower,
     `FlashNextForCausalLM` for a text (`qwen4_exp_text`) one or a composite one with `language_model_only: true`
@@ -26,6 +33,11 @@ def from_pretrained(
         path: checkpoint directory (`config.json` + `model.safetensors` or shards with an index).
         dtype: floating-point dtype of the parameters.
         device: where the parameters live.
+        ngram_storage: how the PLE n-gram tables are held (`flashnext.checkpoint.ngram_tables`): `auto` (FP8
+            tables stay FP8 and frozen, others are trainable `nn.Embedding`s in `dtype`), `dense` (all in `dtype`,
+            FP8 upcast shard by shard), `stored` (all frozen in their stored dtype) or `mmap` (rows read from the
+            files on lookup; CPU).
+        ngram_resident_mb: with `mmap`, most MiB of table pages kept resident per table (None: no limit).
 
     Returns:
         The model in eval mode, with `model.model_config` (the parsed `ModelConfig`, so `save_pretrained`
@@ -43,10 +55,11 @@ def from_pretrained(
     with torch.device("meta"):
         model = FlashNextForConditionalGeneration(cfg) if multimodal else FlashNextForCausalLM(cfg.text)
     model.to(dtype=dtype)
+    style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
+    prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
     model.to_empty(device=device)
     model.reset_buffers()
     model.model_config = cfg
-    style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     try:
         load_checkpoint(model, path, prefix_style=style)
     except CheckpointError as e:
