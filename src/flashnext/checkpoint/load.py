@@ -53,7 +53,7 @@ class _Matcher:
         self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str, tie: bool, external=()
     ):
         self.ours, self.buffers, self.style = ours, buffers, style
-        self.external = set(external)  # keys of memory-mapped n-gram tables: read by the table, not copied
+        self.external = set(external)  # keys of on-disk (`mmap`) n-gram tables: read by the table, not copied
         self.scales: dict[str, str] = {}  # our dense table -> FP8 scale key: the shards are dequantised into it
         self.shared = shares_embedding(ours)
         self.embed = layout.embed_name(ours)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from flashnext.checkpoint.load import load_checkpoint
-from flashnext.checkpoint.ngram_mmap import DEFAULT_RESIDENT_MB
+from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB
 from flashnext.checkpoint.ngram_tables import prepare_ngram_storage
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError
@@ -19,7 +19,7 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     *,
     ngram_storage: str = "auto",
-    ngram_resident_mb: float | None = DEFAULT_RESIDENT_MB,
+    ngram_resident_mb: float = DEFAULT_RESIDENT_MB,
 ) -> torch.nn.Module:
     """Load a checkpoint: `FlashNextForConditionalGeneration` for a composite (`qwen4_exp`) one with a vision tower,
     `FlashNextForCausalLM` for a text (`qwen4_exp_text`) one or a composite one with `language_model_only: true`
@@ -36,8 +36,8 @@ def from_pretrained(
         ngram_storage: how the PLE n-gram tables are held (`flashnext.checkpoint.ngram_tables`): `auto` (FP8
             tables stay FP8 and frozen, others are trainable `nn.Embedding`s in `dtype`), `dense` (all in `dtype`,
             FP8 upcast shard by shard), `stored` (all frozen in their stored dtype) or `mmap` (rows read from the
-            files on lookup; CPU).
-        ngram_resident_mb: with `mmap`, most MiB of table pages kept resident per table (None: no limit).
+            files on lookup, `checkpoint/ngram_ondisk.py`).
+        ngram_resident_mb: with `mmap`, MiB of recently read rows cached in memory per table (0: none).
 
     Returns:
         The model in eval mode, with `model.model_config` (the parsed `ModelConfig`, so `save_pretrained`

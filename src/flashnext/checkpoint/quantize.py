@@ -6,8 +6,9 @@ Each table `...ngram_embedding.shard_{j}.weight` (BF16/F16/F32) becomes `F8_E4M3
 is copied byte for byte; the files keep their names and tensors (the scale goes into the file of the table's first
 shard), the index is rewritten, and every other file of the directory (config, tokenizer) is copied.
 
-Streamed: two passes over each table (amax, then quantise) read `CHUNK_BYTES` of rows at a time straight from
-the files and write them with `stream_write`, so no table, nor any other tensor, is ever whole in memory.
+Streamed: two passes over each table (amax, then quantise) read `PIECE_BYTES` of rows at a time straight from
+the files and write them with `stream_write`, so no table, nor any other tensor, is ever whole in memory (the
+peak is a few pieces: the read rows, their fp32 quotient, the FP8 result).
 """
 
 from __future__ import annotations
@@ -21,22 +22,26 @@ from pathlib import Path
 import torch
 
 from flashnext.checkpoint import layout
-from flashnext.checkpoint.files import CHUNK_BYTES, INDEX_FILE, TORCH_DTYPES, checkpoint_files, data_offsets
+from flashnext.checkpoint.files import INDEX_FILE, TORCH_DTYPES, checkpoint_files, data_offsets
 from flashnext.checkpoint.ngram_tables import scale_key
 from flashnext.checkpoint.stream_write import ITEM_BYTES, Entry, write_safetensors
 from flashnext.errors import CheckpointError
 from flashnext.model.ngram_table import fp8_scale, quantize_fp8
 
 SCHEMES = ("fp8",)
+PIECE_BYTES = 1 << 20
 _SOURCE_DTYPES = ("BF16", "F16", "F32")
 
 
-def _raw_chunks(file: Path, begin: int, end: int, step: int) -> Iterator[bytes]:
-    """Bytes [begin, end) of `file` in pieces of at most `step` bytes."""
-    with open(file, "rb") as f:
+def _raw_chunks(file: Path, begin: int, end: int, step: int) -> Iterator[bytearray]:
+    """Bytes [begin, end) of `file` in pieces of at most `step` bytes (each a new buffer the caller may keep)."""
+    with open(file, "rb", buffering=0) as f:
         f.seek(begin)
         for a in range(begin, end, step):
-            yield f.read(min(step, end - a))
+            piece = bytearray(min(step, end - a))
+            if f.readinto(piece) != len(piece):
+                raise CheckpointError(f"{file.name}: truncated at byte {a} (expected data up to byte {end})")
+            yield piece
 
 
 def _row_chunks(file: Path, base: int, info: dict) -> Iterator[torch.Tensor]:
@@ -44,9 +49,9 @@ def _row_chunks(file: Path, base: int, info: dict) -> Iterator[torch.Tensor]:
     rows, width = info["shape"]
     row_bytes = width * ITEM_BYTES[info["dtype"]]
     begin, end = info["data_offsets"]
-    step = max(1, CHUNK_BYTES // max(row_bytes, 1)) * row_bytes
+    step = max(1, PIECE_BYTES // max(row_bytes, 1)) * row_bytes
     for piece in _raw_chunks(file, base + begin, base + end, step):
-        yield torch.frombuffer(bytearray(piece), dtype=TORCH_DTYPES[info["dtype"]]).view(-1, width)
+        yield torch.frombuffer(piece, dtype=TORCH_DTYPES[info["dtype"]]).view(-1, width)
 
 
 def _tables(headers: dict[Path, tuple[int, dict]]) -> dict[str, list[tuple[Path, str]]]:
@@ -119,5 +124,5 @@ def _entry(file: Path, base: int, key: str, info: dict, scale: float | None) -> 
     shape = tuple(info["shape"])
     if scale is None:
         begin, end = info["data_offsets"]
-        return Entry(key, info["dtype"], shape, lambda: _raw_chunks(file, base + begin, base + end, CHUNK_BYTES))
+        return Entry(key, info["dtype"], shape, lambda: _raw_chunks(file, base + begin, base + end, PIECE_BYTES))
     return Entry(key, "F8_E4M3", shape, lambda: (quantize_fp8(r, scale) for r in _row_chunks(file, base, info)))

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
 from flashnext.checkpoint.load import HEAD, shares_embedding, ties_embeddings
-from flashnext.checkpoint.ngram_mmap import drop_mapped_pages, mapped_table_entries
+from flashnext.checkpoint.ngram_ondisk import ondisk_table_entries
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
 
@@ -124,7 +124,7 @@ def save_pretrained(
     cfg = config or model_config_of(model)
     style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
     directory = Path(directory)
-    entries = _entries(model, style, cfg) + mapped_table_entries(model, style, cfg.text.split_ngram_parts, directory)
+    entries = _entries(model, style, cfg) + ondisk_table_entries(model, style, cfg.text.split_ngram_parts, directory)
     files = _shard(entries, max_shard_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     names = (
@@ -136,7 +136,6 @@ def save_pretrained(
         tensors = {k: t if t.is_contiguous() else t.contiguous() for k, t in group}
         save_file(tensors, directory / name, metadata={"format": "pt"})
         del tensors
-    drop_mapped_pages(model)  # saving read every row of a memory-mapped table: give the pages back
     if len(files) > 1:
         total = sum(t.numel() * t.element_size() for _, t in entries)
         weight_map = {k: name for name, group in zip(names, files, strict=True) for k, _ in group}

@@ -45,8 +45,10 @@ def _as_bytes(chunk) -> memoryview:
     return memoryview(chunk).cast("B")
 
 
-def write_safetensors(path: str | Path, entries: list[Entry], metadata: dict[str, str] | None = None) -> int:
-    """Write `entries` (in order) to `path`; returns the data bytes written.
+def write_safetensors(
+    path: str | Path, entries: list[Entry], metadata: dict[str, str] | None = None, *, durable: bool = True
+) -> int:
+    """Write `entries` (in order) to `path`; returns the data bytes written. `durable` fsyncs the file.
 
     Raises:
         ValueError: a tensor's chunks do not add up to its `dtype` x `shape` size (the file is removed).
@@ -70,7 +72,8 @@ def write_safetensors(path: str | Path, entries: list[Entry], metadata: dict[str
                 if written != e.nbytes:
                     raise ValueError(f"{e.key}: wrote {written} bytes, {e.dtype} {list(e.shape)} needs {e.nbytes}")
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
     except BaseException:
         path.unlink(missing_ok=True)
         raise

@@ -38,7 +38,7 @@ def quantize_fp8(values: torch.Tensor, scale: float) -> torch.Tensor:
 def dequantize_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows [N, d] -> [N, d] in `dtype`: `rows.to(dtype) * scale.to(dtype)` (vLLM's FP8 lookup), or a cast.
 
-    The spec of every FP8/stored-dtype lookup here (in memory, memory-mapped, owner-routed, and the per-shard
+    The spec of every FP8/stored-dtype lookup here (in memory, read from disk, owner-routed, and the per-shard
     upcast at load), so all of them produce the same bits for the same stored rows.
     """
     out = rows.to(dtype)
