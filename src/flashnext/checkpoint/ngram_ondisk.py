@@ -107,12 +107,20 @@ class OnDiskNGramTable(nn.Module):
             with safe_open(table.scale[1], framework="pt") as f:
                 self.scale = f.get_tensor(table.scale[0]).clone()
         self.disk_keys = frozenset([k for k, *_ in table.shards] + ([table.scale[0]] if table.scale else []))
-        row_bytes = width * np.dtype(self.carrier).itemsize
-        slots = min(rows, int((resident_mb or 0) * (1 << 20)) // row_bytes)
-        # Untouched slots cost nothing: zeros come from calloc'd (lazily mapped) memory.
-        self.tags = np.full(slots, -1, dtype=np.int64)
-        self.cache = np.zeros((slots, width), dtype=self.carrier)
+        self._init_cache(rows, width, resident_mb)
         self.rows_read = self.cache_hits = 0
+
+    def _init_cache(self, rows: int, width: int, resident_mb: float) -> None:
+        """`tags [slots]` (the id held by each slot, -1: none) and `cache [slots, d]`, within `resident_mb` MiB.
+
+        The rows live in an anonymous mapping: a slot costs memory only once a row is written to it, one page at a
+        time (numpy's own large arrays are madvised to huge pages, so a single row would make 2 MiB resident).
+        """
+        row_bytes = width * np.dtype(self.carrier).itemsize
+        slots = min(rows, int((resident_mb or 0) * (1 << 20)) // (row_bytes + 8))  # 8: the slot's tag
+        self.tags = np.full(slots, -1, dtype=np.int64)
+        self._cache_memory = mmap.mmap(-1, max(1, slots * row_bytes))
+        self.cache = np.frombuffer(self._cache_memory, self.carrier, slots * width).reshape(slots, width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int [*S] -> [*S, d] in `self.dtype`, on `ids.device`.
@@ -180,7 +188,7 @@ class OnDiskNGramTable(nn.Module):
             shard.close()
 
     def extra_repr(self) -> str:
-        cache = self.cache.nbytes / 2**20
+        cache = (self.cache.nbytes + self.tags.nbytes) / 2**20
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, {self.table.dtype} read from {len(self.shards)} file "
             f"shard(s), row cache {cache:g} MiB -> {self.dtype}"
