@@ -45,6 +45,24 @@ def dequantize_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch
     return out if scale is None else out * scale.to(dtype)
 
 
+def apply_keeping_storage(module: nn.Module, fn) -> nn.Module:
+    """`Module._apply` for a table holding stored rows in its buffers and its output dtype in `module.dtype`.
+
+    `fn` is e.g. `t.to(dtype) if t.is_floating_point()` (Module.to/.half/.float), `t.to(device)` or
+    `empty_like(t, device=...)` (to_empty). Handing it a byte view of each buffer keeps the stored dtype through
+    dtype casts (a 51 GB FP8 table silently upcast to 102 GB BF16 by `model.to(torch.bfloat16)` is what this
+    prevents) while moves and to_empty still apply; the output dtype follows the cast instead.
+    """
+    device = None
+    for name, buf in list(module._buffers.items()):
+        if buf is not None:
+            raw = fn(buf.reshape(-1).view(torch.uint8))
+            module._buffers[name] = raw.view(buf.dtype).reshape(buf.shape)
+            device = raw.device
+    module.dtype = fn(torch.empty(0, dtype=module.dtype, device=device)).dtype
+    return module
+
+
 class StoredNGramTable(nn.Module):
     """A frozen `[R, d]` table in its stored dtype whose lookups come out in the model dtype.
 
@@ -100,17 +118,7 @@ class StoredNGramTable(nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def _apply(self, fn, recurse: bool = True):
-        # `fn` is e.g. `t.to(dtype) if t.is_floating_point()` (Module.to/.half/.float), `t.to(device)` or
-        # `empty_like(t, device=...)` (to_empty). Handing it a byte view keeps the stored dtype through dtype casts
-        # (a 51 GB FP8 table silently upcast to 102 GB BF16 by `model.to(torch.bfloat16)` is what this prevents)
-        # while moves and to_empty still apply; the output dtype follows the cast instead.
-        for name, buf in list(self._buffers.items()):
-            if buf is not None:
-                raw = fn(buf.reshape(-1).view(torch.uint8))
-                self._buffers[name] = raw.view(buf.dtype).reshape(buf.shape)
-        probe = fn(torch.empty(0, dtype=self.dtype, device=self.weight.device))
-        self.dtype = probe.dtype
-        return self
+        return apply_keeping_storage(self, fn)
 
     def extra_repr(self) -> str:
         scale = "" if self.weight_scale is None else f", scale {self.weight_scale.dtype}"
