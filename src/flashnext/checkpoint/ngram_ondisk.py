@@ -122,6 +122,7 @@ class OnDiskNGramTable(nn.Module):
         self._cache_memory = mmap.mmap(-1, max(1, slots * row_bytes))
         self.cache = np.frombuffer(self._cache_memory, self.carrier, slots * width).reshape(slots, width)
 
+    @torch.compiler.disable  # host I/O and numpy: runs outside compiled graphs (as vLLM runs its on-disk gather)
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int [*S] -> [*S, d] in `self.dtype`, on `ids.device`.
 
