@@ -1,6 +1,10 @@
-"""Flat token streams: `Segments` (cu_seqlens, positions) and padded <-> packed helpers.
+"""Flat token streams: `Segments` (cu_seqlens, positions), padded <-> packed helpers, and `flatten_inputs`, the
+checked entry of every model forward.
 
 Legend: T = tokens in the flat stream, N = sequences, B/S = padded batch/sequence dims.
+
+Input checks here are host-side (types, dtypes, shapes): they cost no device read beyond the ones the layout
+needs anyway (`cu_seqlens` is read once; a padded batch's mask is checked for holes once).
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ class Segments:
         return self.seq_idx.shape[0]
 
 
+def integer_tensor(name: str, value, *, to_long: bool = False) -> torch.Tensor:
+    """`value` if it is an integer-dtype tensor (bool is not), else `InputError` naming `name` and the dtype.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+        to_long: return it as int64 (e.g. uint8 ids, which the embedding refuses and whose range check would
+            compare in uint8 and wrap).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise InputError(f"{name} must be an integer tensor, got dtype {value.dtype} (shape {tuple(value.shape)})")
+    return value.long() if to_long else value
+
+
 def make_segments(
     cu_seqlens: torch.Tensor,
     num_tokens: int,
@@ -55,9 +75,20 @@ def make_segments(
     Args:
         cu_seqlens: int [N+1] cumulative sequence lengths.
         num_tokens: T, the length of the flat stream.
-        position_ids: optional int64 [T] or [3, T]; defaults to the offset within each sequence.
+        position_ids: optional int [T] or [3, T] (MRoPE t/h/w); defaults to the offset within each sequence.
         device: where the per-token tensors live (default: `cu_seqlens`' device).
+
+    Raises:
+        InputError: a non-integer `cu_seqlens` / `position_ids`, a malformed `cu_seqlens`, or positions whose
+            shape is not `[T]` / `[3, T]`.
     """
+    integer_tensor("cu_seqlens", cu_seqlens)
+    if position_ids is not None:
+        integer_tensor("position_ids", position_ids)  # float positions would be floored silently
+        if tuple(position_ids.shape) not in ((num_tokens,), (3, num_tokens)):
+            raise InputError(
+                f"position_ids must be [T] or [3, T] (MRoPE) with T={num_tokens}, got shape {tuple(position_ids.shape)}"
+            )
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise InputError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
     cu_host = cu_seqlens.tolist()
@@ -74,8 +105,6 @@ def make_segments(
     pos_in_seq = torch.arange(num_tokens, device=device) - seq_start
     if position_ids is None:
         position_ids = pos_in_seq
-    elif position_ids.shape[-1] != num_tokens or position_ids.dim() not in (1, 2):
-        raise InputError(f"position_ids must be [T] or [3, T] with T={num_tokens}, got {tuple(position_ids.shape)}")
     return Segments(
         cu_seqlens=torch.tensor(cu_host, dtype=torch.int32, device=device),
         position_ids=position_ids.long(),
@@ -111,7 +140,12 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position
     """Turn a padded `[B, S]` batch into a flat stream.
 
     Each row's real tokens must be contiguous (left or right padding). Positions default to the offset from each
-    row's first real token.
+    row's first real token. An empty batch (`B == 0`) is one empty sequence: `Segments` always has N >= 1.
+
+    Args:
+        input_ids: [B, S].
+        attention_mask: [B, S] (nonzero = real token) or None (every token is real).
+        position_ids: optional int [B, S] or [3, B, S] (MRoPE).
 
     Returns:
         flat_ids [T], segments, and `keep` (bool [B, S]) to scatter outputs back with `pad_back`.
@@ -119,27 +153,29 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position
     if input_ids.dim() != 2:
         raise InputError(f"padded input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     B, S = input_ids.shape
+    if position_ids is not None and tuple(position_ids.shape) not in ((B, S), (3, B, S)):
+        raise InputError(
+            f"position_ids must be [B, S] or [3, B, S] (MRoPE) like input_ids {(B, S)}, "
+            f"got shape {tuple(position_ids.shape)}"
+        )
     if attention_mask is None:  # every token is real: a reshape (works on the meta device too)
-        cu = torch.arange(B + 1, dtype=torch.int32) * S
+        cu = torch.arange(B + 1, dtype=torch.int32) * S if B else torch.zeros(2, dtype=torch.int32)
         flat = input_ids.reshape(B * S)
         pos = None if position_ids is None else position_ids.reshape(*position_ids.shape[:-2], B * S)
         return flat, make_segments(cu, B * S, pos, device=input_ids.device), None
-    else:
-        if attention_mask.shape != input_ids.shape:
-            raise InputError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
-        keep = attention_mask.bool()
-        lens = keep.sum(1)
-        first = torch.where(keep.any(1), keep.float().argmax(1), torch.zeros_like(lens))
-        span = torch.arange(S, device=keep.device)[None, :]
-        contiguous = ((span >= first[:, None]) & (span < (first + lens)[:, None])) == keep
-        if not bool(contiguous.all()):
-            bad = int((~contiguous.all(1)).nonzero()[0])
-            raise InputError(f"attention_mask row {bad} has holes; real tokens must be contiguous per row")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise InputError(f"attention_mask shape {got} != input_ids shape {tuple(input_ids.shape)}")
+    keep = attention_mask.bool()
     lens = keep.sum(1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=input_ids.device)
-    cu[1:] = torch.cumsum(lens, 0)
+    first = torch.where(keep.any(1), keep.float().argmax(1), torch.zeros_like(lens))
+    span = torch.arange(S, device=keep.device)[None, :]
+    contiguous = ((span >= first[:, None]) & (span < (first + lens)[:, None])) == keep
+    if not bool(contiguous.all()):
+        bad = int((~contiguous.all(1)).nonzero()[0])
+        raise InputError(f"attention_mask row {bad} has holes; real tokens must be contiguous per row")
+    cu = torch.zeros(max(B, 1) + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1 : B + 1] = torch.cumsum(lens, 0)
     flat = input_ids[keep]
     if position_ids is not None:
         pos = position_ids[..., keep] if position_ids.dim() == 3 else position_ids[keep]
@@ -155,6 +191,75 @@ def pad_back(flat: torch.Tensor, keep: torch.Tensor | None, shape: tuple[int, in
     out = flat.new_zeros(*keep.shape, *flat.shape[1:])
     out[keep] = flat
     return out
+
+
+@dataclass
+class ModelInputs:
+    """A forward's inputs as one checked flat stream (see `flatten_inputs`).
+
+    Attributes:
+        ids: int64 [T].
+        seg: the stream's `Segments` (positions included).
+        keep: bool [B, S] real tokens of a masked padded batch, else None.
+        padded_shape: (B, S) for padded input, None for flat input.
+        per_token: the per-token tensors passed to `flatten_inputs` (labels, ...), in flat order; None stays None.
+    """
+
+    ids: torch.Tensor
+    seg: Segments
+    keep: torch.Tensor | None
+    padded_shape: tuple[int, int] | None
+    per_token: dict[str, torch.Tensor | None]
+
+    def pad_back(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-token outputs `[T, ...]` in the caller's layout: `[B, S, ...]` for padded input, else unchanged."""
+        return flat if self.padded_shape is None else pad_back(flat, self.keep, self.padded_shape)
+
+
+def flatten_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **per_token: torch.Tensor | None,
+) -> ModelInputs:
+    """Check a model forward's inputs and turn them into one flat stream.
+
+    Either padded `[B, S]` ids (+ optional `attention_mask`, positions `[B, S]` / `[3, B, S]`) or flat `[T]` ids
+    (+ optional `cu_seqlens` `[N+1]`, default one sequence; positions `[T]` / `[3, T]`). Every per-token tensor
+    (e.g. `labels=`) must have `input_ids`' shape and an integer dtype. An empty batch (`[0, S]` or `[0]`) is
+    valid: its outputs are empty.
+
+    Raises:
+        InputError: naming the argument and its shape or dtype: non-integer ids / positions / cu_seqlens /
+            per-token tensors, `cu_seqlens` with padded ids, an `attention_mask` with flat ids (it would be
+            ignored), mismatched shapes, or a malformed `cu_seqlens` / mask.
+    """
+    ids = integer_tensor("input_ids", input_ids, to_long=True)
+    for name, value in per_token.items():
+        if value is not None:
+            integer_tensor(name, value)
+            if value.shape != ids.shape:
+                raise InputError(f"{name} shape {tuple(value.shape)} != input_ids shape {tuple(ids.shape)}")
+    if ids.dim() == 2:
+        if cu_seqlens is not None:
+            raise InputError(f"cu_seqlens is for flat [T] input_ids; got padded input_ids of shape {tuple(ids.shape)}")
+        flat, seg, keep = unpad(ids, attention_mask, position_ids)
+        flatten = (lambda t: t.reshape(-1)) if keep is None else (lambda t: t[keep])
+        per = {n: None if t is None else flatten(t) for n, t in per_token.items()}
+        return ModelInputs(flat, seg, keep, (ids.shape[0], ids.shape[1]), per)
+    if ids.dim() != 1:
+        raise InputError(f"input_ids must be [B, S] or flat [T], got shape {tuple(ids.shape)}")
+    if attention_mask is not None:
+        raise InputError(
+            f"attention_mask is for padded [B, S] input_ids; flat input_ids {tuple(ids.shape)} mark their "
+            "sequences with cu_seqlens (the mask would be ignored)"
+        )
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, ids.shape[0]], dtype=torch.int32, device=ids.device)
+    seg = make_segments(cu_seqlens, ids.shape[0], position_ids, device=ids.device)
+    return ModelInputs(ids, seg, None, None, dict(per_token))
 
 
 @dataclass

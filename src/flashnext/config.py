@@ -1,13 +1,18 @@
 """Model configs parsed from a checkpoint's `config.json` (text `qwen4_exp_text` or composite `qwen4_exp`).
 
 Field names follow the official `config.json` so a config round-trips through `to_dict()` unchanged.
-`validate()` checks every invariant the reference checks and raises `ConfigError` naming field and value.
+Every field's type and range is checked from one table per config (`TEXT_FIELDS`, `ROPE_FIELDS`,
+`VISION_FIELDS`, `COMPOSITE_FIELDS`); `validate()` then checks the cross-field invariants (the reference's and
+the ones our kernels rely on). Every failure is a `ConfigError` naming the field and value, and `load_config`
+prefixes the file: `.../config.json: num_key_value_heads must be a positive int, got 0`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,111 @@ from flashnext.errors import ConfigError
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
+
+
+# ---- field rules ------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON `true` is a bool, never a count
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN/Infinity
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one config field must hold: `ok(value)`, and `what` names it in the error ("a positive int")."""
+
+    what: str
+    ok: Callable[[Any], bool]
+
+    def or_null(self) -> Rule:
+        return Rule(f"{self.what} or null", lambda v: v is None or self.ok(v))
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule(f"one of {list(choices)}", lambda v: isinstance(v, str) and v in choices)
+
+
+def list_of(rule: Rule, what: str, length: int | None = None) -> Rule:
+    size = "" if length is None else f" of length {length}"
+    return Rule(
+        f"a list{size} of {what}",
+        lambda v: isinstance(v, list) and (length is None or len(v) == length) and all(rule.ok(x) for x in v),
+    )
+
+
+INT = Rule("an int", _is_int)
+POS_INT = Rule("a positive int", lambda v: _is_int(v) and v > 0)
+TOKEN_ID = Rule("a non-negative int", lambda v: _is_int(v) and v >= 0)
+BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+OBJECT = Rule("an object", lambda v: isinstance(v, dict))
+POS_NUMBER = Rule("a positive finite number", lambda v: _is_number(v) and v > 0)
+NONNEG_NUMBER = Rule("a finite number >= 0", lambda v: _is_number(v) and v >= 0)
+
+TEXT_FIELDS: dict[str, Rule] = {
+    **dict.fromkeys(
+        (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "hc_lowrank",
+            "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
+            "make_ngram_vocab_size_divisible_by", "split_ngram_parts", "full_attention_interval",
+        ),
+        POS_INT,
+    ),
+    **dict.fromkeys(
+        (
+            "ple_embed_dim", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+            "indexer_compress_ratio",
+        ),
+        POS_INT.or_null(),
+    ),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "norm_topk_prob", "output_router_logits"), BOOL),
+    "hc_count": Rule("an int > 1", lambda v: _is_int(v) and v > 1),
+    "seed": INT,
+    "initializer_range": NONNEG_NUMBER,
+    "rms_norm_eps": POS_NUMBER,
+    "router_aux_loss_coef": NONNEG_NUMBER,
+    "attention_dropout": Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
+    # The MLPs, experts and convs are SiLU-gated in our kernels; another activation would compute silently wrong.
+    "hidden_act": one_of("silu"),
+    "output_gate_type": one_of("sigmoid", "silu").or_null(),
+    "rope_parameters": OBJECT.or_null(),  # its keys: ROPE_FIELDS
+    "layer_types": list_of(
+        one_of(LINEAR, INDEXED, "full_attention"), f"{LINEAR!r}, {INDEXED!r} or 'full_attention'"
+    ).or_null(),
+    "ple_layer_ids": list_of(INT, "ints").or_null(),  # the range [1, num_hidden_layers] is checked in validate()
+    "pad_token_id": TOKEN_ID.or_null(),
+    "bos_token_id": TOKEN_ID.or_null(),
+    "eos_token_id": Rule(
+        "a non-negative int, a list of them, or null",
+        lambda v: v is None or TOKEN_ID.ok(v) or list_of(TOKEN_ID, "").ok(v),
+    ),
+}  # fmt: skip
+
+# Keys of `rope_parameters` we read (others, e.g. `mrope_interleaved`, are kept but do not change the math).
+ROPE_FIELDS: dict[str, Rule] = {
+    "rope_type": one_of("default"),  # the only rotary the reference's text model computes without scaling
+    "rope_theta": POS_NUMBER,
+    "partial_rotary_factor": Rule("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
+    "mrope_section": list_of(TOKEN_ID, "non-negative ints", length=3),
+}
+
+
+def check_fields(values: dict[str, Any], rules: dict[str, Rule], where: str = "") -> None:
+    """Raise `ConfigError` for the first of `values` (name -> value) that breaks its rule; unruled names pass.
+
+    Args:
+        values: field values, e.g. a config.json object or a dataclass' fields.
+        rules: field name -> `Rule`.
+        where: prefix of the field name in the message (`"rope_parameters."`).
+    """
+    for name, value in values.items():
+        rule = rules.get(name)
+        if rule is not None and not rule.ok(value):
+            raise ConfigError(f"{where}{name} must be {rule.what}, got {value!r}")
 
 
 @dataclass
@@ -73,15 +183,18 @@ class TextConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        check_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TEXT_FIELDS)
         self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
         if self.ple_embed_dim is None:
             self.ple_embed_dim = self.hidden_size
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        # As transformers standardises it: `rope_type` from the legacy `type` key, the default theta filled in.
+        rope = dict(self.rope_parameters or {})
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope.setdefault("rope_theta", 10000.0)
+        check_fields(rope, ROPE_FIELDS, "rope_parameters.")
+        self.rope_parameters = rope
         if self.layer_types is None:
             n = self.full_attention_interval
-            if not isinstance(n, int) or n <= 0:
-                raise ConfigError(f"full_attention_interval must be a positive int, got {n!r}")
             self.layer_types = [LINEAR if (i + 1) % n else INDEXED for i in range(self.num_hidden_layers)]
         else:
             # Real checkpoints spell indexed (QSA) layers "full_attention".
@@ -127,27 +240,22 @@ class TextConfig:
 
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> None:
-        bad = sorted(set(self.layer_types) - {LINEAR, INDEXED})
-        if bad:
-            raise ConfigError(f"layer_types: unsupported layer type(s) {bad}; expected {LINEAR!r} or {INDEXED!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
             )
         if self.gate_act not in ("sigmoid", "silu"):
             raise ConfigError(f"output_gate_type={self.gate_act!r}: expected 'sigmoid' or 'silu'")
-        if self.hc_count <= 1:
-            raise ConfigError(f"hc_count must be > 1, got hc_count={self.hc_count}")
-        if self.num_experts <= 0:
-            raise ConfigError(f"num_experts must be > 0, got num_experts={self.num_experts}")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"rotary dim {self.rotary_dim} (head_dim={self.head_dim} x rope_parameters.partial_rotary_factor="
+                f"{self.partial_rotary_factor}) must be a positive even number"
+            )
+        if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                 f"got num_experts_per_tok={self.num_experts_per_tok}"
             )
-        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {name}={getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -174,9 +282,6 @@ class TextConfig:
         missing = [n for n, v in values.items() if v is None]
         if missing:
             raise ConfigError(f"QSA config is missing required fields {missing} (QSA fields are all-or-none)")
-        nonpos = {n: v for n, v in values.items() if v <= 0}
-        if nonpos:
-            raise ConfigError(f"QSA config values must be positive, got {nonpos}")
         if self.indexer_kv_heads != 1:
             raise ConfigError(f"indexer_kv_heads must be 1, got indexer_kv_heads={self.indexer_kv_heads}")
         if self.indexer_budget % self.indexer_compress_ratio:
@@ -211,16 +316,23 @@ class TextConfig:
     # ---- (de)serialisation --------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TextConfig:
+        """Parse a text config object (`config.json`, or a composite's `text_config`); unknown keys go to `extra`.
+
+        Top-level `rope_theta` / `partial_rotary_factor` (older configs) are merged into `rope_parameters` as
+        transformers merges them: a value already in `rope_parameters` wins. A legacy `rope_scaling` object
+        stands in for `rope_parameters`, as in transformers.
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"a text config must be a JSON object, got {_json_kind(data)}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known and k != "model_type"}
-        # Older configs keep rope fields at the top level.
-        if kwargs.get("rope_parameters") is None and ("rope_theta" in extra or "partial_rotary_factor" in extra):
-            kwargs["rope_parameters"] = {
-                "rope_type": "default",
-                "rope_theta": extra.pop("rope_theta", 10000.0),
-                "partial_rotary_factor": extra.pop("partial_rotary_factor", 1.0),
-            }
+        rope = extra.pop("rope_scaling", None) or kwargs.get("rope_parameters")
+        top = {k: extra.pop(k) for k in ("rope_theta", "partial_rotary_factor") if k in extra}
+        if isinstance(rope, dict) or (rope is None and top):
+            kwargs["rope_parameters"] = {**top, **(rope or {})}
+        elif rope is not None:
+            kwargs["rope_parameters"] = rope  # not an object: the field check names it
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,6 +376,7 @@ class VisionConfig:
     """Base of the axial 2-D rotary embedding."""
 
     def __post_init__(self):
+        check_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, VISION_FIELDS, "vision_config.")
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"vision_config.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}"
@@ -277,8 +390,6 @@ class VisionConfig:
             raise ConfigError(
                 f"vision_config.num_position_embeddings={self.num_position_embeddings} is not a square number"
             )
-        if self.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ConfigError(f"vision_config.hidden_act={self.hidden_act!r}: expected 'gelu_pytorch_tanh' or 'gelu'")
 
     @property
     def head_dim(self) -> int:
@@ -291,15 +402,38 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VisionConfig:
+        """Parse a composite config's `vision_config` object (unknown keys are ignored)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"vision_config must be a JSON object, got {_json_kind(data)}")
         known = {f.name for f in dataclasses.fields(cls)} - {"rope_theta"}
         for key in ("patch_size", "temporal_patch_size"):
             if isinstance(data.get(key), list | tuple):
                 raise ConfigError(f"vision_config.{key}={data[key]!r}: only a single int is supported")
         rope = data.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}: expected 'axial'")
+        check_fields({"rope_parameters": rope}, {"rope_parameters": OBJECT}, "vision_config.")
+        # transformers turns the vision tower's "default" rope type into its "axial" one.
+        rules = {"rope_type": one_of("axial", "default"), "rope_theta": POS_NUMBER}
+        check_fields(rope, rules, "vision_config.rope_parameters.")
         kwargs = {k: v for k, v in data.items() if k in known}
         return cls(**kwargs, rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+VISION_FIELDS: dict[str, Rule] = {
+    **dict.fromkeys(("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size"), POS_INT),
+    **dict.fromkeys(("spatial_merge_size", "temporal_patch_size", "out_hidden_size"), POS_INT),
+    "num_position_embeddings": POS_INT,
+    "hidden_act": one_of("gelu_pytorch_tanh", "gelu"),
+    "rope_theta": POS_NUMBER,
+}
+
+# The composite (`qwen4_exp`) wrapper's own keys; the text and vision objects have their own tables.
+COMPOSITE_FIELDS: dict[str, Rule] = {
+    "text_config": OBJECT,
+    "vision_config": OBJECT.or_null(),
+    "language_model_only": BOOL,
+    "tie_word_embeddings": BOOL,
+    **dict.fromkeys(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), TOKEN_ID),
+}
 
 
 @dataclass
@@ -347,31 +481,70 @@ class ModelConfig:
         return out
 
 
+def _json_kind(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages ("a JSON array")."""
+    kinds = (
+        (bool, "a boolean"),
+        (dict, "an object"),
+        (list, "a JSON array"),
+        (str, "a string"),
+        (int | float, "a number"),
+    )
+    return next((name for t, name in kinds if isinstance(value, t)), "null" if value is None else type(value).__name__)
+
+
 def parse_config(data: dict[str, Any]) -> ModelConfig:
-    """Parse a `config.json` dict (text or composite) into a `ModelConfig`."""
+    """Parse a `config.json` object (text or composite) into a `ModelConfig`.
+
+    Raises:
+        ConfigError: naming the bad field and value; a composite's text fields are prefixed `text_config: `.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a JSON object, got {_json_kind(data)}")
     model_type = data.get("model_type", "qwen4_exp_text")
     if model_type == "qwen4_exp_text":
         return ModelConfig(text=TextConfig.from_dict(data))
-    if model_type == "qwen4_exp":
-        text = data.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError(f"composite config (model_type='qwen4_exp') needs a text_config dict, got {text!r}")
-        top = {k: v for k, v in data.items() if k not in ("text_config", "vision_config")}
-        return ModelConfig(
-            text=TextConfig.from_dict(text),
-            composite=True,
-            language_model_only=bool(data.get("language_model_only", False)),
-            vision=data.get("vision_config"),
-            top=top,
-        )
-    raise ConfigError(f"model_type={model_type!r}: expected 'qwen4_exp_text' or 'qwen4_exp'")
+    if model_type != "qwen4_exp":
+        raise ConfigError(f"model_type={model_type!r}: expected 'qwen4_exp_text' or 'qwen4_exp'")
+    if "text_config" not in data:
+        raise ConfigError("a composite config (model_type='qwen4_exp') needs a text_config object")
+    check_fields(data, COMPOSITE_FIELDS)
+    try:
+        text = TextConfig.from_dict(data["text_config"])
+    except ConfigError as e:
+        raise ConfigError(f"text_config: {e}") from None
+    top = {k: v for k, v in data.items() if k not in ("text_config", "vision_config")}
+    cfg = ModelConfig(
+        text=text,
+        composite=True,
+        language_model_only=data.get("language_model_only", False),
+        vision=data.get("vision_config"),
+        top=top,
+    )
+    if cfg.vision is not None and not cfg.language_model_only:
+        VisionConfig.from_dict(cfg.vision)  # check the tower's fields now, not when a model is built
+    return cfg
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read `config.json` from a checkpoint directory (or the file itself)."""
+    """Read `config.json` from a checkpoint directory (or the file itself).
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not JSON, or holds an invalid config; the message starts
+            with the file's path.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r}")
-    return parse_config(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    try:
+        return parse_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -6,7 +6,8 @@ class FlashNextError(ValueError):
 
 
 class ConfigError(FlashNextError):
-    """A model or run config field has an invalid value; the message names the field and value."""
+    """A model or run config field has an invalid value; the message names the field and value (and the file,
+    when read from one)."""
 
 
 class CheckpointError(FlashNextError):
@@ -24,4 +25,5 @@ class CheckpointError(FlashNextError):
 
 
 class InputError(FlashNextError):
-    """Model inputs (ids, cu_seqlens, positions, masks) are malformed; the message names the tensor and shape."""
+    """Model inputs (ids, cu_seqlens, positions, masks, labels, router replay, images) are malformed; the message
+    names the argument and its shape or dtype."""

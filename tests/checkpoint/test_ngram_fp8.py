@@ -170,7 +170,10 @@ BAD_LAYOUTS = {
     "f64_scale": (_f64_scale, rf"wrong dtype: {TABLE}\.weight_scale is F64, expected one of F32, BF16, F16"),
     "int_scale": (_int_scale, rf"wrong dtype: {TABLE}\.weight_scale is I32"),
     "two_scales": (_two_scales, rf"mis-shaped: {TABLE}\.weight_scale is \[2\]"),
-    "scale_beside_bf16": (_scale_beside_bf16, rf"unexpected: {TABLE}\.weight_scale \(a scale, but .* are \['BF16'\]"),
+    "scale_beside_bf16": (
+        _scale_beside_bf16,
+        rf"unexpected: {TABLE}\.weight_scale \(a scale, but the table .* is \['BF16'\]",
+    ),
 }
 
 
@@ -188,3 +191,24 @@ def test_bad_fp8_layouts_are_refused_naming_the_key(fp8_checkpoint, case, storag
 def test_unknown_storage_is_refused(fp8_checkpoint):
     with pytest.raises(CheckpointError, match=r"ngram_storage='disk': expected one of"):
         flashnext.from_pretrained(fp8_checkpoint[0], ngram_storage="disk")
+
+
+@pytest.mark.parametrize("storage", ["auto", "dense", "mmap"])
+def test_whole_fp8_table_in_the_state_dict_layout(tmp_path, fp8_checkpoint, storage):
+    """`save_file(model.state_dict())` of an FP8-table model: one whole `...ngram_embedding.weight` + its scale."""
+    src, _, q, scale = fp8_checkpoint
+    loaded = flashnext.from_pretrained(src)
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "config.json").write_text((src / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in loaded.state_dict().items()}
+    assert state[f"{TABLE}.weight"].dtype == torch.float8_e4m3fn and f"{TABLE}.weight_scale" in state
+    save_file(state, tmp_path / "sd" / "model.safetensors", metadata={"format": "pt"})
+    table = _table(flashnext.from_pretrained(tmp_path / "sd", ngram_storage=storage))
+    ids = torch.arange(q.shape[0])
+    assert torch.equal(table(ids), q.float() * scale.float())  # never the raw FP8 values without the scale
+
+    del state[f"{TABLE}.weight_scale"]
+    save_file(state, tmp_path / "sd" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        flashnext.from_pretrained(tmp_path / "sd", ngram_storage=storage)
+    assert any(p.startswith(f"missing: {TABLE}.weight_scale") for p in err.value.problems), err.value.problems

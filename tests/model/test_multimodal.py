@@ -157,6 +157,46 @@ def test_input_errors(model):
         model(ids.input_ids, pixel_values=kw["pixel_values"])
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            dict(mm_token_type_ids=torch.zeros(5, dtype=torch.long)),
+            r"mm_token_type_ids shape \(5,\) != input_ids shape",
+        ),
+        (dict(mm_token_type_ids="float"), "mm_token_type_ids must be an integer tensor"),
+        (dict(image_grid_thw=torch.tensor([[4, 6]])), r"image_grid_thw must be \[n_images, 3\].*got \(1, 2\)"),
+        (dict(image_grid_thw=torch.tensor([[1.0, 4.0, 6.0]])), "image_grid_thw must be an integer tensor"),
+        (dict(pixel_values=torch.zeros(24, 5)), r"pixel_values must be \[n_patches, 24\].*got \(24, 5\)"),
+        (dict(pixel_values=torch.zeros(24, 24, dtype=torch.long)), "pixel_values must be a floating-point tensor"),
+        (dict(labels=torch.zeros(3, dtype=torch.long)), r"labels shape \(3,\) != input_ids shape"),
+        (dict(attention_mask="ones"), "attention_mask is for padded"),
+        (
+            dict(position_ids=torch.zeros(2, 10, dtype=torch.long)),
+            r"\[T\] or \[3, T\] \(MRoPE\) with T=10, got shape \(2, 10\)",
+        ),
+    ],
+)
+def test_composite_input_battery(model, change, match):
+    """Each bad argument of the composite forward is named (host-side checks, before the tower runs)."""
+    seq = _sequence([(1, 4, 6)], [5], [6], seed=0)
+    kw = dict(labels=seq.labels, **seq.image_kwargs())
+    for name, value in change.items():
+        if value == "float":
+            value = kw[name].float()
+        elif value == "ones":
+            value = torch.ones_like(seq.input_ids)
+        kw[name] = value
+    with pytest.raises(InputError, match=match):
+        model(seq.input_ids, **kw)
+
+
+def test_composite_empty_batch(model):
+    with torch.no_grad():
+        out = model(torch.zeros(0, 4, dtype=torch.long), attention_mask=torch.zeros(0, 4))
+    assert out.logits.shape == (0, 4, 64)
+
+
 def test_config_errors(small_config):
     with pytest.raises(ConfigError, match="out_hidden_size=8 != text hidden_size=16"):
         FlashNextForConditionalGeneration(parse_config(dict(

@@ -81,9 +81,14 @@ def test_checkpoint_reloads_identically(reference_checkpoint):
     assert any(".mlp.experts.0." in k for k in keys), sorted(keys)[:20]
 
     again = Qwen4ExpForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32).eval()
+    # Saving and loading copies every tensor: equal bit for bit, by construction.
+    loaded = again.state_dict()
+    assert all(torch.equal(t, loaded[k]) for k, t in ref.state_dict().items())
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(ref(ids).logits, again(ids).logits)
+        # Two instances: the loaded weights sit at other alignments (views into the read file), MKL's GEMM
+        # blocking depends on alignment and thread count, so logits agree to fp32 rounding (~1e-7), not bitwise.
+        torch.testing.assert_close(again(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_factory_makes_distinct_checkpoints(tiny_text_config, reference_factory):

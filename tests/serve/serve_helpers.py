@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -57,3 +58,90 @@ def running_server(app, timeout: float = 30.0):
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+class StepFault:
+    """Fault injection into one model instance's `forward_step` (restored on `remove()` / leaving the `with`).
+
+    An entry of a step is hit when its new tokens contain `marker` (`where="anywhere"`) or when it is the first
+    chunk of a prompt that starts with `marker` (`where="start"`: generated tokens never trigger it). With `mode`
+    "raise" a step with a hit raises (for the first `times` hits, or always); with "nan" the hit entries' logits
+    rows are NaN. `when` (ids, step) -> bool, if given, replaces the marker test for "raise". `delay` seconds of
+    sleep per step slow the engine down (so concurrent requests overlap in time).
+    """
+
+    def __init__(self, model, marker: int | None = None, mode: str = "raise", where: str = "anywhere",
+                 times: int | None = None, when=None, delay: float = 0.0):  # fmt: skip
+        self.model, self.marker, self.mode, self.where = model, marker, mode, where
+        self.times, self.when, self.delay = times, when, delay
+        self.faults = 0
+        self.inner = model.forward_step
+        model.forward_step = self
+
+    def remove(self) -> None:
+        del self.model.forward_step
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def hits(self, ids: torch.Tensor, step) -> list[int]:
+        cu, out = step.seg.cu_host, []
+        for j in range(len(cu) - 1):
+            chunk = ids[cu[j] : cu[j + 1]]
+            if self.where == "start":
+                hit = step.cached_host[j] == 0 and len(chunk) > 0 and int(chunk[0]) == self.marker
+            else:
+                hit = bool((chunk == self.marker).any())
+            if hit:
+                out.append(j)
+        return out
+
+    def __call__(self, ids, step, cache, inputs_embeds=None):
+        if self.delay:
+            time.sleep(self.delay)
+        hit = self.when(ids, step) if self.when is not None else bool(self.hits(ids, step))
+        if self.mode == "raise" and hit and (self.times is None or self.faults < self.times):
+            self.faults += 1
+            raise RuntimeError(f"injected fault (marker {self.marker})")
+        logits = self.inner(ids, step, cache, inputs_embeds=inputs_embeds)
+        if self.mode == "nan" and hit:
+            logits = logits.clone()
+            logits[self.hits(ids, step)] = float("nan")
+        return logits
+
+
+class GatedTokenizer:
+    """A tokenizer whose `encode` of a text containing `gate` waits until `release` is set (signalling `entered`):
+    a stand-in for tokenizing a huge prompt that takes as long as the test wants. Counts `encode` calls."""
+
+    def __init__(self, tok, gate: str = "\u2603"):
+        self.tok, self.gate = tok, gate
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        if self.gate in text:
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the tokenizer"
+        return self.tok.encode(text)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
+        text = self.tok.apply_chat_template(messages, add_generation_prompt, tokenize=False, **kw)
+        return self.encode(text) if tokenize else text
+
+
+def sse_events(lines) -> list:
+    """The JSON objects of a server-sent event stream's `data:` lines, and "[DONE]" as a string."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -87,3 +87,51 @@ def test_sampler_skips_logprobs_only_when_asked():
     tokens2, none = sample(logits, params, [None if g is None else g.clone_state() for g in gens], False)
     assert none is None and torch.equal(tokens, tokens2)
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1))
+
+
+@pytest.mark.parametrize("budget", [32, 4], ids=["one-chunk", "chunked"])
+def test_n_choices_share_one_prefill(loaded, budget):
+    """n choices prefill the prompt once (counted in the stats) and then equal n separate requests: greedy gives
+    n identical completions, sampled choice i equals a request seeded with `choice_seed(seed, i)`."""
+    from flashnext.serve.sampling import choice_seed
+
+    model, tok, _ = loaded
+    engine = Engine(model, tok, max_slots=4, max_model_len=64, max_num_batched_tokens=budget)
+    prompt = "The quick brown fox jumps"
+    n_prompt = len(engine.encode(prompt))
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+    before = engine.stats.prompt_tokens
+    outs = engine.generate([prompt], SamplingParams(max_tokens=8, n=3, **GREEDY))
+    assert engine.stats.prompt_tokens - before == n_prompt
+    assert [o.index for o in outs] == [0, 1, 2] and all(o.token_ids == greedy for o in outs)
+
+    sampled = dict(max_tokens=8, temperature=1.0, top_p=0.95, ignore_eos=True)
+    before = engine.stats.prompt_tokens
+    outs = engine.generate([prompt], SamplingParams(n=3, seed=5, **sampled))
+    assert engine.stats.prompt_tokens - before == n_prompt
+    alone = [engine.generate([prompt], SamplingParams(seed=choice_seed(5, i), **sampled))[0] for i in range(3)]
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the choices differ
+    assert engine.cache.free_slots == engine.cache.max_slots
+
+
+def test_n_choices_abort_and_limits(engine):
+    group = engine.add_request("Hello", SamplingParams(max_tokens=30, n=3, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert all(len(c.output_ids) > 0 for c in group.choices)
+    engine.abort(group.request_id)
+    engine.step()
+    assert [c.finish_reason for c in group.choices] == ["abort"] * 3
+    assert engine.cache.free_slots == engine.cache.max_slots and not engine.has_unfinished()
+    with pytest.raises(InputError, match="n=5 exceeds max_slots=4"):
+        engine.add_request("x", SamplingParams(n=5))
+
+
+def test_degenerate_sampling_values_are_served(engine):
+    """temperature 1e-45 is greedy; top_p 1e-300 keeps the top token (greedy too): neither fails a request."""
+    greedy = engine.generate(["Hello"], SamplingParams(max_tokens=10, **GREEDY))[0].token_ids
+    tiny_t = SamplingParams(max_tokens=10, temperature=1e-45, ignore_eos=True, seed=1)
+    tiny_p = SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-300, ignore_eos=True, seed=1)
+    outs = engine.generate(["Hello", "Hello"], [tiny_t, tiny_p])
+    assert [o.token_ids for o in outs] == [greedy, greedy] and {o.finish_reason for o in outs} == {"length"}

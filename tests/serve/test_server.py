@@ -1,8 +1,9 @@
-"""The HTTP server driven by the official `openai` client, concurrent streams with disconnects, bad requests."""
+"""The HTTP server driven by the official `openai` client: completions, chat, streaming, n choices, concurrent
+streams with disconnects, metrics and logs. Bad requests and failing generations: `test_server_battery.py`."""
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ from serve_helpers import running_server
 
 from flashnext.serve.engine import Engine
 from flashnext.serve.loading import load_for_serving
+from flashnext.serve.sampling import choice_seed
 from flashnext.serve.server import build_app
 
 KEY = "test-key"
@@ -83,6 +85,38 @@ def test_chat_and_streaming(server, client):
         .choices[0].text  # fmt: skip
 
 
+def test_n_choices(server, client):
+    """n choices share one prefill (the engine counts the prompt once); greedy choices are identical, seeded
+    sampled choice i equals a request with `choice_seed(seed, i)`, and a stream interleaves the choices by index."""
+    _, name, engine = server
+    prompt = "Once upon a time"
+    n_prompt = len(engine.encode(prompt))
+    before = engine.stats.prompt_tokens
+    out = client.completions.create(model=name, prompt=prompt, max_tokens=7, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert engine.stats.prompt_tokens - before == n_prompt
+    assert [c.index for c in out.choices] == [0, 1, 2] and len({c.text for c in out.choices}) == 1
+    assert out.usage.prompt_tokens == n_prompt and out.usage.completion_tokens == 21
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    kw = dict(model=name, messages=messages, max_tokens=8, temperature=1.0, top_p=0.95)
+    out = client.chat.completions.create(n=2, seed=77, **kw)
+    alone = [client.chat.completions.create(seed=choice_seed(77, i), **kw).choices[0] for i in range(2)]
+    assert [c.message.content for c in out.choices] == [a.message.content for a in alone]
+
+    stream = client.chat.completions.create(n=2, seed=77, stream=True, **kw)
+    texts, order, finished = ["", ""], [], {}
+    for chunk in stream:
+        c = chunk.choices[0]
+        texts[c.index] += c.delta.content or ""
+        order.append(c.index)
+        if c.finish_reason is not None:
+            finished[c.index] = c.finish_reason
+    assert texts == [c.message.content for c in out.choices] and sorted(finished) == [0, 1]
+    assert order[:2] == [0, 1] and set(order) == {0, 1}  # each choice's role chunk, then their deltas
+    assert chunk.usage is not None and chunk.usage.completion_tokens == out.usage.completion_tokens
+
+
 def test_concurrent_streams_with_disconnects(server, client):
     """16 streaming clients at once (8 slots: half wait); every 4th hangs up after 2 chunks. All slots come back."""
     _, name, engine = server
@@ -105,42 +139,52 @@ def test_concurrent_streams_with_disconnects(server, client):
     assert client.completions.create(model=name, prompt="still here", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_bad_requests(server):
-    base, name, engine = server
-    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    url = f"{base}/v1/completions"
-    vocab = engine.config.vocab_size
-    cases = {
-        "bad json": (b"{not json", 400),
-        "missing prompt": (json.dumps({"model": name}), 400),
-        "unknown model": (json.dumps({"model": "nope", "prompt": "x"}), 404),
-        "max_tokens 0": (json.dumps({"model": name, "prompt": "x", "max_tokens": 0}), 400),
-        "max_tokens -3": (json.dumps({"model": name, "prompt": "x", "max_tokens": -3}), 400),
-        "too long": (json.dumps({"model": name, "prompt": [5] * MAX_LEN}), 400),
-        "out of vocab": (json.dumps({"model": name, "prompt": [1, vocab]}), 400),
-        "negative id": (json.dumps({"model": name, "prompt": [-1]}), 400),
-        "empty prompt": (json.dumps({"model": name, "prompt": ""}), 400),
-        "bad top_p": (json.dumps({"model": name, "prompt": "x", "top_p": 0}), 400),
-    }
-    for what, (body, status) in cases.items():
-        r = httpx.post(url, content=body, headers=h)
-        assert r.status_code == status, (what, r.text)
-        err = r.json()["error"]
-        assert err["message"] and err["type"], what
-    r = httpx.post(f"{base}/v1/chat/completions", json={"model": name, "messages": "hi"}, headers=h)
-    assert r.status_code == 400
-    r = httpx.post(url, json={"model": name, "prompt": "x"})  # no API key
+def test_auth_and_health(server):
+    base, name, _ = server
+    r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "x"})  # no API key
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
-    r = httpx.post(url, json={"model": name, "prompt": "x", "max_tokens": 2}, headers=h)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
-def test_metrics(server, client):
-    base, name, _ = server
-    client.completions.create(model=name, prompt="metrics", max_tokens=3)
+def test_metrics_and_logs(server, client, caplog):
+    """/metrics: counters, and generation tokens/s over a recent window (0 once that window is idle, while the
+    counters stay). The server logs one line per finished request."""
+    base, name, engine = server
+    caplog.set_level(logging.INFO, logger="flashnext.serve")
+    out = client.completions.create(model=name, prompt="metrics", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
     text = httpx.get(f"{base}/metrics").text
-    for metric in ("flashnext_requests_running", "flashnext_requests_waiting", "flashnext_generation_tokens_total",
-                   "flashnext_generation_tokens_per_second", 'flashnext_time_to_first_token_seconds{quantile="0.5"}',
-                   "flashnext_time_per_output_token_seconds_count"):  # fmt: skip
+    metrics = [
+        "flashnext_requests_running",
+        "flashnext_requests_waiting",
+        "flashnext_generation_tokens_total",
+        'flashnext_time_to_first_token_seconds{quantile="0.5"}',
+        "flashnext_time_per_output_token_seconds_count",
+        'flashnext_requests_finished_by_reason_total{finish_reason="error"}',
+        "flashnext_step_failures_total",
+        "# HELP flashnext_generation_tokens_per_second tokens generated per second over the last 10 s",
+    ]
+    for metric in metrics:
         assert metric in text
+    rate = float(text.split("\nflashnext_generation_tokens_per_second ")[1].split()[0])
+    assert rate >= 0.3  # at least these 3 tokens within the last 10 s
+    assert engine.stats.recent_rates(time.perf_counter() + engine.stats.rate_seconds + 1) == (0.0, 0.0)
+    deadline = time.time() + 5
+    while not any(out.id in r.getMessage() for r in caplog.records):
+        assert time.time() < deadline, "no log line for the finished request"
+        time.sleep(0.02)
+    line = next(r.getMessage() for r in caplog.records if out.id in r.getMessage())
+    n_prompt = out.usage.prompt_tokens
+    assert f"finished: length, prompt {n_prompt} tokens, completion 3 tokens, ttft " in line
+
+
+def test_throughput_log_line(caplog):
+    """While busy, the engine loop logs the recent throughput (here every step: `log_every=0`)."""
+    caplog.set_level(logging.INFO, logger="flashnext.serve")
+    model, tok, name = load_for_serving(None)
+    engine = Engine(model, tok, max_slots=2, max_model_len=32, max_num_batched_tokens=16)
+    with running_server(build_app(engine, name, log_every=0.0)) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": [5, 6], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "generated tokens/s" in r.getMessage()]
+    assert lines and "running" in lines[0] and "free slots" in lines[0]

@@ -31,7 +31,8 @@ def test_checkpointed_layers_give_identical_loss_and_grads(small_config):
         out = m(ids, cu_seqlens=cu, labels=ids)
         out.loss.backward()
         losses.append(out.loss.detach())
-    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    # Two model instances (same init): not bitwise by construction (GEMM blocking may follow operand alignment).
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-7)
     grads_plain = dict(plain.named_parameters())
     for name, p in ckpt.named_parameters():
         q = grads_plain[name]

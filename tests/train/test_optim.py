@@ -105,6 +105,19 @@ def test_one_step_moves_trainable_and_keeps_indexer(model):
     assert all(report[n] != FROZEN for n in changed), "the frozen indexer moved"
 
 
+def _same_update(ours: torch.Tensor, theirs: torch.Tensor, init: torch.Tensor, what) -> None:
+    """Our batched bf16 Newton-Schulz (`baddbmm` over a stack) against torch's one matrix at a time (`addmm`).
+
+    Not bitwise by construction: different GEMM kernels may sum the fp32 accumulators in another order, and one
+    flipped bf16 rounding of an orthogonalised entry moves an update entry by a few percent of the largest (as in
+    the FSDP Muon test). So the updates agree to 5% of their largest entry and 1% in Frobenius norm; a wrong
+    learning-rate scale, momentum or weight decay moves them by far more.
+    """
+    got, want = ours - init, theirs - init
+    scale, fro = float(want.abs().max()), float((got - want).norm() / want.norm())
+    assert scale > 0 and float((got - want).abs().max()) <= 0.05 * scale and fro <= 0.01, (what, scale, fro)
+
+
 @pytest.mark.parametrize("E,m,n", [(3, 6, 4), (4, 8, 24)])
 def test_expert_update_depends_only_on_its_own_gradient(E, m, n):
     torch.manual_seed(0)
@@ -127,14 +140,14 @@ def test_expert_update_depends_only_on_its_own_gradient(E, m, n):
     assert torch.equal(base[0], other[0]) and torch.equal(base[2], other[2])
     assert not torch.equal(base[1], other[1])
 
-    # Each slice moves exactly as torch's Muon (bf16 Newton-Schulz) moves a 2-D parameter holding that expert alone.
+    # Each slice moves as torch's Muon (bf16 Newton-Schulz) moves a 2-D parameter holding that expert alone.
     for e in range(E):
         p = torch.nn.Parameter(init[e].clone())
         opt = torch.optim.Muon([p], lr=0.02, weight_decay=0.1, momentum=0.9)
         for grad in grads:
             p.grad = grad[e].clone()
             opt.step()
-        assert torch.equal(p.detach(), base[e]), e
+        _same_update(base[e], p.detach(), init[e], e)
 
 
 def test_batched_muon_equals_torch_muon_on_mixed_shapes():
@@ -156,8 +169,8 @@ def test_batched_muon_equals_torch_muon_on_mixed_shapes():
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
     ours = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
     theirs = run(lambda ps: torch.optim.Muon(ps, **kw))
-    for a, b in zip(ours, theirs, strict=True):
-        assert torch.equal(a, b)
+    for i, (a, b, w) in enumerate(zip(ours, theirs, init, strict=True)):
+        _same_update(a, b, w, i)
     # fp32 Newton-Schulz (the CPU default): the same iteration, so it differs from bf16 only by bf16 rounding
     fp32 = run(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))
     for a, b, w in zip(fp32, theirs, init, strict=True):

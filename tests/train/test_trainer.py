@@ -138,7 +138,9 @@ def test_loss_falls_and_export_loads(small_config, tmp_path):
     assert all(0 < m["mfu"] < 1 and m["tokens"] > 0 for m in history)
     reloaded = flashnext.from_pretrained(tmp_path / "run" / "final")
     ids = torch.arange(10) % 64
-    torch.testing.assert_close(reloaded(ids).logits, tr.model.eval()(ids).logits, rtol=0, atol=0)
+    # Two model instances: GEMM blocking (hence fp32 summation order) may differ with operand alignment and
+    # thread count, so the logits agree to rounding; the weights themselves are compared bitwise elsewhere.
+    torch.testing.assert_close(reloaded(ids).logits, tr.model.eval()(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_micro_batch_split_gives_the_same_loss_and_gradients(small_config, tmp_path):

@@ -12,6 +12,15 @@ in three ways, each handled here without touching tensor data:
 - Composite (`model_type: qwen4_exp`) checkpoints put the decoder under `model.language_model.*` (the text
   model's `model.*`); `lm_head.*` keeps its name in both layouts.
 
+Other tools write two more spellings, recognised here too:
+
+- Split tensors stored whole under our (the reference's in-memory) name, as `model.state_dict()` saves them:
+  `mlp.experts.gate_up_proj [E, 2I, D]`, `mlp.experts.down_proj [E, D, I]`, `ple_embedding.ngram_embedding.weight`
+  (`whole_names`); transformers loads these, and so do we.
+- Base-model checkpoints (`Qwen4ExpModel` / `Qwen4ExpTextModel.save_pretrained`: `language_model.*` /
+  `visual.*`, or `layers.*` / `embed_tokens.*`, no `model.` prefix, no `lm_head`) are recognised
+  (`base_model_class`) so the loader can refuse them with one clear error instead of ~200 key problems.
+
 Naming styles (how our names relate to the disk's): `text` (text model <-> text checkpoint, identical names),
 `composite` (text model <-> composite checkpoint: our `model.*` is the disk's `model.language_model.*`) and
 `multimodal` (`FlashNextForConditionalGeneration` <-> composite checkpoint: identical names, `model.visual.*`
@@ -70,6 +79,33 @@ def is_derived_buffer(key: str) -> bool:
 def is_extra(disk_key: str) -> bool:
     """True for on-disk tensors that belong to no text-model parameter (`mtp.*`, `model.visual.*`)."""
     return disk_key.startswith(EXTRA_PREFIXES)
+
+
+def whole_names(our_keys, style: str) -> dict[str, str]:
+    """{on-disk name: our name} of the tensors the official layout splits (stacked experts, n-gram tables),
+    spelled whole under `style`'s naming, as `model.state_dict()` saves them."""
+    out = {}
+    for key in our_keys:
+        disk = to_disk_name(key, style)
+        if _GATE_UP.match(disk) or _DOWN.match(disk) or _NGRAM_TABLE.match(disk):
+            out[disk] = key
+    return out
+
+
+# The reference's base models save without the causal LM's `model.` prefix (and without `lm_head`).
+_BASE_PREFIXES = (
+    ("language_model.", "Qwen4ExpModel"),
+    ("layers.", "Qwen4ExpTextModel"),
+    ("embed_tokens.", "Qwen4ExpTextModel"),
+)
+
+
+def base_model_class(disk_keys) -> str | None:
+    """The reference base-model class whose `save_pretrained` wrote `disk_keys`; None for a causal-LM layout."""
+    keys = list(disk_keys)
+    if any(k.startswith(("model.", "lm_head.")) for k in keys):
+        return None
+    return next((cls for prefix, cls in _BASE_PREFIXES if any(k.startswith(prefix) for k in keys)), None)
 
 
 def to_disk_name(our_key: str, style: str) -> str:

@@ -2,7 +2,9 @@
 
 Each on-disk tensor is copied straight into its slice of our parameter (`gate_up_proj[e, :I]`, a row range of
 an n-gram table, ...), cast to the parameter's dtype on the way; no state dict and no second copy of any
-table is ever built. The whole key set is validated before anything is copied.
+table is ever built. The whole key set is validated before anything is copied. Split tensors may also be
+stored whole (`layout.whole_names`: stacked experts, one n-gram table), as `model.state_dict()` writes them.
+A base-model checkpoint (no `lm_head`, no `model.` prefix) is refused with one error: it cannot give logits.
 
 Tensors the text model does not own (`mtp.*`, and `model.visual.*` when the model has no vision tower) are
 read into `model.extra_tensors: dict[str, Tensor]` (on-disk names, stored dtype, CPU) so `save_pretrained`
@@ -63,6 +65,8 @@ class _Matcher:
         self.plan = {k: s for k, s in plan.items() if s.our_key not in self.tables}
         if self.shared:
             self.plan.pop(HEAD, None)  # loading the embedding fills both
+        self.whole = layout.whole_names(ours, style)  # {disk name: our key}, split tensors stored whole
+        self.whole_found: dict[str, str] = {}  # our key -> its whole on-disk key
         self.slots: list[layout.Slot] = []
         self.shards: dict[str, dict[int, str]] = defaultdict(dict)
         self.derived: list[tuple[str, str]] = []  # (disk key, our buffer name)
@@ -82,6 +86,8 @@ class _Matcher:
                 self.problems.append(f"wrong dtype: {key} is {_describe(shape, dtype)}, expected {want}")
             else:
                 self.slots.append(slot)
+        elif key in self.whole:
+            self._add_whole(key, shape, dtype)
         elif (shard := layout.table_key_of_shard(key, self.style)) and shard[0] in self.tables:
             self.shards[shard[0]][shard[1]] = key
         elif (m := NGRAM_SCALE.match(key)) and (table := layout.from_disk_name(m["pre"] + ".weight", self.style)):
@@ -95,6 +101,17 @@ class _Matcher:
             pass  # physically tied: the embedding already holds these values
         else:
             self.problems.append(f"unexpected: {key} {_describe(shape, dtype)}")
+
+    def _add_whole(self, key: str, shape: tuple[int, ...], dtype: str) -> None:
+        our_key = self.whole[key]
+        self.whole_found[our_key] = key  # present, even if mis-shaped: its split keys are not "missing"
+        want = tuple(self.ours[our_key].shape)
+        if shape != want or not is_float_dtype(dtype):
+            self.problems.append(
+                f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(want)} floating point"
+            )
+        else:
+            self.slots.append(layout.Slot(key, our_key, want))
 
     def _add_derived(self, key: str, name: str, shape: tuple[int, ...], dtype: str) -> None:
         buf = self.buffers.get(name)
@@ -111,11 +128,22 @@ class _Matcher:
         if self.tie and HEAD in self.plan and HEAD not in headers and embed in headers:
             # Tied checkpoints omit lm_head (as transformers saves them): fill it from the embedding.
             self.slots.append(layout.Slot(embed, HEAD, self.plan.pop(HEAD).shape))
+        whole = set(self.whole_found) | {self.whole[k] for k in lost if k in self.whole}
         self.problems += [
-            f"missing: {k} {list(s.shape)}" for k, s in self.plan.items() if k not in headers and k not in lost
+            f"missing: {k} {list(s.shape)}"
+            for k, s in self.plan.items()
+            if k not in headers and k not in lost and s.our_key not in whole
         ]
+        split_too = {s.our_key for k, s in self.plan.items() if s.our_key in self.whole_found and k in headers}
+        split_too |= {t for t in self.tables if t in self.whole_found and self.shards.get(t)}
+        self.problems += [f"duplicate: {self.whole_found[k]} is stored both whole and split" for k in sorted(split_too)]
         for table, first in self.tables.items():
             disk_pre = first.disk_key.rsplit(".shard_", 1)[0]
+            if table in self.whole_found:  # stored whole (state-dict layout): the FP8 checks of that one tensor
+                key = self.whole_found[table]
+                self.problems += self._fp8_problems(table, disk_pre, {key: headers[key][2]}, headers)
+            if table in whole:
+                continue
             if not any(k.startswith(disk_pre + ".shard_") for k in lost):
                 self._table_slots(table, disk_pre, headers)
 
@@ -154,7 +182,7 @@ class _Matcher:
             return problems
         if self.ours[table].dtype == torch.float8_e4m3fn and not fp8_disk:
             stored = sorted(set(dtypes.values()))
-            return [f"wrong dtype: {disk_pre}.shard_* are {stored}, but the model keeps {table} in FP8"]
+            return [f"wrong dtype: {disk_pre} is stored as {stored}, but the model keeps {table} in FP8"]
         if fp8_disk and self.ours[table].dtype != torch.float8_e4m3fn:
             self.scales[table] = scale_key(disk_pre)
         return []
@@ -183,13 +211,21 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
     Sets `model.extra_tensors` (see module doc) and `model.checkpoint_style` (the layout that was read).
 
     Raises:
-        CheckpointError: before copying anything, listing every missing, unexpected, mis-shaped or
-            wrong-dtype key, every unreadable (truncated/corrupt) file and every mismatched derived buffer.
+        CheckpointError: before copying anything, listing every missing, unexpected, mis-shaped, wrong-dtype
+            or duplicated (stored whole and split) key, every unreadable (truncated/corrupt) file and every
+            mismatched derived buffer; or, alone, for a base-model checkpoint (no `lm_head`).
     """
     if prefix_style not in PREFIX_STYLES:
         raise CheckpointError(f"prefix_style={prefix_style!r}: expected one of {PREFIX_STYLES}")
     files, weight_map = checkpoint_files(path)
     headers, problems, lost = read_headers(files, weight_map)
+    if base := layout.base_model_class(headers):
+        raise CheckpointError(
+            f"cannot load checkpoint {str(path)!r}: it is a base-model checkpoint ({base}.save_pretrained: keys "
+            f"like {min(headers)!r}, no 'model.' prefix) without lm_head.weight, so it cannot give logits; "
+            "save the causal LM that owns the head (Qwen4ExpForCausalLM / Qwen4ExpForConditionalGeneration) "
+            "instead of its base model"
+        )
     ours, buffers = _model_tensors(model)
     style = (layout.model_style(ours) or layout.detect_style(headers)) if prefix_style == "auto" else prefix_style
     cfg = getattr(model, "model_config", None) or getattr(model, "config", None)

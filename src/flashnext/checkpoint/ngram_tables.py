@@ -1,7 +1,8 @@
 """How each PLE n-gram table is stored in a checkpoint, and how the model keeps it in memory.
 
-On disk a table is `...ple_embedding.ngram_embedding.shard_{j}.weight` row chunks in one dtype: BF16/FP32 (or
-F16), or the official FP8 layout: `F8_E4M3` shards plus one `...ngram_embedding.weight_scale` per table (a
+On disk a table is `...ple_embedding.ngram_embedding.shard_{j}.weight` row chunks (or one whole
+`...ngram_embedding.weight`, as `model.state_dict()` saves it) in one dtype: BF16/FP32 (or F16), or the official
+FP8 layout: `F8_E4M3` shards plus one `...ngram_embedding.weight_scale` per table (a
 single value, stored as F32, BF16 or F16 depending on the exporter; rows dequantise as `rows * scale`).
 `F8_E5M2` shards and FP8 shards without their scale are refused.
 
@@ -83,10 +84,10 @@ def fp8_problems(disk_pre: str, shard_dtypes: dict[str, str], headers: dict) -> 
     dtypes = sorted(set(shard_dtypes.values()))
     fp8 = FP8 in dtypes
     if len(dtypes) > 1:
-        problems.append(f"wrong dtype: {disk_pre}.shard_* mix dtypes {dtypes}; a table is stored in one dtype")
+        problems.append(f"wrong dtype: {disk_pre} shards mix dtypes {dtypes}; a table is stored in one dtype")
     key = scale_key(disk_pre)
     if fp8 and key not in headers:
-        problems.append(f"missing: {key} (the F8_E4M3 n-gram table {disk_pre}.shard_* needs its scale)")
+        problems.append(f"missing: {key} (the F8_E4M3 n-gram table {disk_pre} needs its scale)")
     if key in headers:
         _, shape, dtype = headers[key]
         if dtype not in SCALE_DTYPES:
@@ -94,17 +95,22 @@ def fp8_problems(disk_pre: str, shard_dtypes: dict[str, str], headers: dict) -> 
         elif math.prod(shape) != 1 or len(shape) > 1:
             problems.append(f"mis-shaped: {key} is {list(shape)}, expected one value ([] or [1])")
         elif not fp8 and "F8_E5M2" not in dtypes:  # E5M2 shards are the problem there, reported above
-            problems.append(f"unexpected: {key} (a scale, but {disk_pre}.shard_* are {dtypes}, not {FP8})")
+            problems.append(f"unexpected: {key} (a scale, but the table {disk_pre} is {dtypes}, not {FP8})")
     return problems
 
 
 def inspect_table(our_key: str, style: str, headers: dict) -> tuple[TableOnDisk | None, list[str]]:
-    """The on-disk form of our table `our_key` and its FP8 problems; None when the checkpoint has no shards of it."""
+    """The on-disk form of our table `our_key` and its FP8 problems; None when the checkpoint has no rows of it.
+
+    Shards `...shard_{j}.weight` or, failing those, the whole `...ngram_embedding.weight` (one shard of all rows).
+    """
     disk_pre = layout.to_disk_name(our_key.removesuffix(".weight"), style)
     found = {}
     for key in headers:
         if key.startswith(disk_pre + ".shard_") and (m := _SHARD_OF.search(key)) and layout.NGRAM_SHARD.match(key):
             found[int(m[1])] = key
+    if not found and f"{disk_pre}.weight" in headers:
+        found[0] = f"{disk_pre}.weight"
     if not found:
         return None, []
     shards = [(found[j], *headers[found[j]]) for j in sorted(found)]

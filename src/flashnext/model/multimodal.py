@@ -18,7 +18,7 @@ import itertools
 import torch
 from torch import nn
 
-from flashnext.batch import Segments, make_segments, pad_back, unpad
+from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.cached import StepBatch
@@ -155,34 +155,49 @@ class FlashNextForConditionalGeneration(nn.Module):
             position_ids: `[3, B, S]` / `[3, T]` MRoPE positions (or `[B, S]` / `[T]`); computed with
                 `get_rope_index` when absent.
             labels, routed_experts: as `FlashNextForCausalLM.forward`.
+
+        Raises:
+            InputError: as `FlashNextForCausalLM.forward`, plus image inputs of the wrong shape or dtype or whose
+                count does not match the placeholders.
         """
-        padded = input_ids.dim() == 2
-        if padded:
-            if cu_seqlens is not None:
-                raise InputError(
-                    f"cu_seqlens is for flat [T] input_ids; got padded input_ids of shape {tuple(input_ids.shape)}"
-                )
-            ids, seg, keep = unpad(input_ids, attention_mask, position_ids)
-            flat = (lambda x: x.reshape(-1)) if keep is None else (lambda x: x[keep])
-            labels = None if labels is None else flat(labels)
-            mm_token_type_ids = None if mm_token_type_ids is None else flat(mm_token_type_ids)
-        else:
-            if input_ids.dim() != 1:
-                raise InputError(f"input_ids must be [B, S] or flat [T], got shape {tuple(input_ids.shape)}")
-            if cu_seqlens is None:
-                cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
-            ids = input_ids
-            seg = make_segments(cu_seqlens, input_ids.shape[0], position_ids, device=input_ids.device)
+        inputs = flatten_inputs(
+            input_ids,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            labels=labels,
+            mm_token_type_ids=mm_token_type_ids,
+        )
+        ids, seg = inputs.ids, inputs.seg
         FlashNextForCausalLM._check_ids(self, ids)
+        FlashNextForCausalLM._check_replay(self, routed_experts, ids.shape[0])
+        self._check_images(pixel_values, image_grid_thw)
         embeds = self.embed(ids, pixel_values, image_grid_thw)
         if position_ids is None and image_grid_thw is not None:
-            seg = self.mrope_segments(ids, seg, mm_token_type_ids, image_grid_thw)
+            seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
         hidden, experts = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
         logits = self.lm_head(hidden)
+        labels = inputs.per_token["labels"]
         loss = None if labels is None else causal_lm_loss(logits, labels, seg)
-        if padded:
-            logits = pad_back(logits, keep, tuple(input_ids.shape))
-        return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
+        return CausalLMOutput(logits=inputs.pad_back(logits), loss=loss, routed_experts=experts)
+
+    def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
+        """Host-side shape/dtype checks of the image inputs (counts against the placeholders: `embed`)."""
+        if image_grid_thw is not None:
+            integer_tensor("image_grid_thw", image_grid_thw)
+            if image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3:
+                raise InputError(f"image_grid_thw must be [n_images, 3] (t, h, w), got {tuple(image_grid_thw.shape)}")
+        if pixel_values is None or self.visual is None:  # no tower: `get_image_features` says so
+            return
+        patch_dim = self.visual.config.patch_dim
+        if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
+            got = pixel_values.dtype if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+            raise InputError(f"pixel_values must be a floating-point tensor, got {got}")
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_dim:
+            raise InputError(
+                f"pixel_values must be [n_patches, {patch_dim}] (one flattened patch per row), "
+                f"got {tuple(pixel_values.shape)}"
+            )
 
     @torch.no_grad()
     def forward_step(

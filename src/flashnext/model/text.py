@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.batch import Segments, make_segments, next_token_targets, pad_back, unpad
+from flashnext.batch import Segments, flatten_inputs, integer_tensor, next_token_targets
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.cached import StepBatch, plan_blocks
@@ -112,33 +112,28 @@ class FlashNextForCausalLM(nn.Module):
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
         Args:
+            position_ids: `[B, S]` / `[T]`, or `[3, B, S]` / `[3, T]` MRoPE positions; default: the offset of
+                each token in its sequence.
             labels: same layout as `input_ids`; the loss predicts `labels[t+1]` from token t within a sequence
                 (-100 = no loss), averaged over all label tokens.
             routed_experts: int [T, L, k] (flat order) to replay the router's expert choice.
+
+        An empty batch (`[0, S]` or `[0]` ids) returns empty logits (`[0, S, V]` / `[0, V]`).
+
+        Raises:
+            InputError: naming the argument, shape or dtype (see `flashnext.batch.flatten_inputs`), ids outside
+                the vocabulary, or `routed_experts` that are not `[T, L, k]` integers.
         """
-        padded = input_ids.dim() == 2
-        if padded:
-            if cu_seqlens is not None:
-                raise InputError(
-                    f"cu_seqlens is for flat [T] input_ids; got padded input_ids of shape {tuple(input_ids.shape)}"
-                )
-            ids, seg, keep = unpad(input_ids, attention_mask, position_ids)
-            if labels is not None:
-                labels = labels.reshape(-1) if keep is None else labels[keep]
-        else:
-            if input_ids.dim() != 1:
-                raise InputError(f"input_ids must be [B, S] or flat [T], got shape {tuple(input_ids.shape)}")
-            if cu_seqlens is None:
-                cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
-            ids = input_ids
-            seg = make_segments(cu_seqlens, input_ids.shape[0], position_ids, device=input_ids.device)
-        self._check_ids(ids)
-        hidden, experts = self.model(ids, seg, routed_experts)
+        inputs = flatten_inputs(
+            input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels
+        )
+        self._check_ids(inputs.ids)
+        self._check_replay(routed_experts, inputs.ids.shape[0])
+        hidden, experts = self.model(inputs.ids, inputs.seg, routed_experts)
         logits = self.lm_head(hidden)
-        loss = None if labels is None else causal_lm_loss(logits, labels, seg)
-        if padded:
-            logits = pad_back(logits, keep, tuple(input_ids.shape))
-        return CausalLMOutput(logits=logits, loss=loss, routed_experts=experts)
+        labels = inputs.per_token["labels"]
+        loss = None if labels is None else causal_lm_loss(logits, labels, inputs.seg)
+        return CausalLMOutput(logits=inputs.pad_back(logits), loss=loss, routed_experts=experts)
 
     @torch.no_grad()
     def forward_step(
@@ -159,7 +154,20 @@ class FlashNextForCausalLM(nn.Module):
         hidden = self.model.forward_cached(input_ids, step, cache, inputs_embeds)
         return last_token_logits(self.lm_head, hidden, step)
 
+    def _check_replay(self, routed_experts: torch.Tensor | None, num_tokens: int) -> None:
+        """Host-side shape/dtype check of a router replay, int [T, L, k] (expert ids' range: the data loader's job)."""
+        if routed_experts is None:
+            return
+        integer_tensor("routed_experts", routed_experts)
+        want = (num_tokens, self.config.num_hidden_layers, self.config.num_experts_per_tok)
+        if tuple(routed_experts.shape) != want:
+            raise InputError(
+                f"routed_experts must be [T, L, k] = {list(want)} (tokens in flat order, layers, experts per token), "
+                f"got shape {tuple(routed_experts.shape)}"
+            )
+
     def _check_ids(self, ids: torch.Tensor) -> None:
+        """Every id in [0, vocab_size) (ids are int64 here, so the bound cannot wrap); one device read."""
         if ids.device.type == "meta" or ids.numel() == 0:
             return
         bad = (ids < 0) | (ids >= self.config.vocab_size)

@@ -149,6 +149,18 @@ class StateCache:
             if lc.ple is not None:
                 lc.ple.ctx[slot].fill_(self.eos_id)
 
+    @torch.no_grad()
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make `dst`'s state a copy of `src`'s, in place (a fork: both continue the same sequence).
+
+        Generic over `buffers()`: every per-slot buffer, whatever the layer kinds, is copied row for row, so `dst`
+        then behaves exactly as `src` would (n choices of one prompt share its prefill this way).
+        """
+        if src == dst:
+            return
+        for buf in self.buffers():
+            buf[dst].copy_(buf[src])
+
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (for tests: compare states, check addresses never change)."""
         return [b for lc in self.layers for b in lc.buffers()]

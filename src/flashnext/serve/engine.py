@@ -3,18 +3,35 @@
 Every `step()`:
 1. applies cancellations and admits queued requests (thread-safe hand-off from other threads);
 2. schedules a flat stream: one decode token for every running request first, then prompt chunks of requests
-   still prefilling, then newly admitted requests (each takes a free slot), while the step's token budget
-   `max_num_batched_tokens` lasts, so long prompts are prefilled in chunks across steps;
+   still prefilling, then newly admitted requests (each takes a free slot; a request with n choices takes n),
+   while the step's token budget `max_num_batched_tokens` lasts, so long prompts are prefilled in chunks;
 3. runs `model.forward_step` once on that stream (the same layers as training);
 4. samples a token for every entry that reached the end of its known tokens, records log-probs, checks stop
    conditions, and frees a finished request's slot at once (its state is wiped; the slot is reusable next step).
+
+n choices (`SamplingParams.n`): the prompt is prefilled once, in the parent's slot; when its last chunk is done
+the parent's state is copied into the n-1 slots its children reserved at admission (`StateCache.copy_slot`) and
+every choice samples its first token from the same logits row with its own generator (`choice_seed`).
+
+Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
+- a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
+- a step whose model forward raises may have written part of every involved slot's state (the layers update the
+  cache in place, layer by layer), so none of them can continue from its slot. The engine knows each request's
+  whole token history (prompt + generated ids), so it resets those slots and recomputes the requests from
+  scratch, as vLLM's recompute preemption does, instead of failing them. Which entry made the step fail is
+  unknown, so the involved requests become suspects and run one per step (alone) until each has recomputed its
+  history and sampled again: one that fails alone is the culprit and ends with "error"; the rest continue as if
+  nothing happened (their tokens are those of an undisturbed run, up to float rounding of a different chunking).
+  A step of a single request that fails ends that request. Each recovery round gives every suspect one more
+  token, so even a failure caused by the batch as a whole (not by one request) cannot loop forever. The common,
+  failure-free path pays nothing for this: one try around the forward, and no per-step host work.
 
 Images (a composite model): a request may carry `pixel_values` + `image_grid_thw` for the placeholder spans in its
 prompt. Its MRoPE positions (`get_rope_index`) and delta are computed when it is queued; when it is first
 scheduled, the vision tower runs once and its features are scattered into the whole prompt's embeddings, which
 the prompt's chunks (chunking across an image is fine: the text path is causal) feed to `forward_step` instead of
-token embeddings. The embeddings and pixels are dropped when the prompt is prefilled: nothing of the tower stays.
-Decode tokens rotate at `row + delta` on all three axes.
+token embeddings. The embeddings are dropped when the prompt is prefilled; the pixels stay on the request until it
+finishes, so a recompute can run the tower again. Decode tokens rotate at `row + delta` on all three axes.
 
 `generate(prompts, params)` is the synchronous API; the HTTP server drives `step()` from a background thread and
 streams through each request's `on_update` callback.
@@ -23,11 +40,11 @@ streams through each request's `on_update` callback.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -35,78 +52,14 @@ from flashnext.errors import InputError
 from flashnext.model.cached import make_step
 from flashnext.model.multimodal import get_rope_index
 from flashnext.serve.cache import StateCache
-from flashnext.serve.sampling import SamplingParams, sample
+from flashnext.serve.loading import max_token_bytes
+from flashnext.serve.request import Completion, Request
+from flashnext.serve.sampling import FAILED, FieldError, SamplingParams, check_text, choice_seed, random_seed, sample
+from flashnext.serve.stats import EngineStats
 
+__all__ = ["Completion", "Engine", "EngineStats", "Request"]
 
-@dataclass
-class Completion:
-    """The result of one request.
-
-    Attributes:
-        token_ids: generated ids (a stop id or EOS that ended the request included).
-        text: decoded text (None without a tokenizer); cut before a matched stop string.
-        logprobs: log-prob of each generated token under the model (None unless requested).
-        top_logprobs: per position, the top n `(token_id, logprob)` pairs (None unless n > 0).
-        finish_reason: "length", "stop" or "abort".
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None
-
-
-@dataclass
-class Request:
-    """A request's scheduling and output state (owned by the engine thread)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_update: Callable[[Request], None] | None = None
-    generator: torch.Generator | None = None
-    slot: int | None = None
-    num_cached: int = 0  # tokens whose state is in the cache
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) until embedded
-    prompt_embeds: torch.Tensor | None = None  # [L, D] text + image features, while prefilling
-    mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def pending_ids(self, n: int) -> list[int]:
-        """The next n tokens to feed (prompt tokens, then the last sampled one)."""
-        if self.num_cached < len(self.prompt_ids):
-            return self.prompt_ids[self.num_cached : self.num_cached + n]
-        return self.output_ids[-1:]
-
-    def completion(self, with_text: bool) -> Completion:
-        want = self.params.logprobs is not None
-        return Completion(
-            request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_ids),
-            token_ids=list(self.output_ids),
-            text=self.text if with_text else None,
-            logprobs=list(self.logprobs) if want else None,
-            top_logprobs=[list(t) for t in self.top_logprobs] if want and self.params.logprobs else None,
-            finish_reason=self.finish_reason,
-        )
+log = logging.getLogger("flashnext.serve")
 
 
 class Engine:
@@ -138,11 +91,16 @@ class Engine:
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_id = eos if eos is not None else self.config.eos_id
+        per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
+        # A text prompt longer than this cannot fit in max_model_len tokens: refused before tokenizing.
+        self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holding a slot, in admission order
+        self._suspects: list[Request] = []  # in a failed step, to recompute one at a time
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: set[str] = set()
+        self._finished: list[Request] = []  # finished during the current step
         self._ids = itertools.count()
         self.stats = EngineStats()
 
@@ -158,33 +116,54 @@ class Engine:
     ) -> Request:
         """Validate and queue a request (thread-safe). Raises `InputError` for an impossible request.
 
+        Returns the request (choice 0); with `params.n > 1` its `choices` lists all n (children are
+        `<request_id>/<i>`), and `abort(request_id)` cancels them all. `on_update` is called (on the engine
+        thread) with the choice that progressed or finished.
+
         `pixel_values` [sum t*h*w, P] and `image_grid_thw` int [n, 3] (`flashnext.vision_inputs.process_images`)
         give the images of the prompt's placeholder spans, in order (composite models only).
         """
         params = params or SamplingParams()
         params.validate()
+        if params.n > self.cache.max_slots:
+            raise FieldError(f"n={params.n} exceeds max_slots={self.cache.max_slots} (the choices run at once)", "n")
         ids = self.encode(prompt)
         if not ids:
-            raise InputError("prompt is empty")
+            raise FieldError("prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:
+            msg = f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room"
+            raise FieldError(msg, "prompt")
         vocab = self.config.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InputError(f"prompt token {bad} = {ids[bad]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InputError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room")
+            raise FieldError(f"prompt token {bad} = {ids[bad]} is outside the vocabulary [0, {vocab})", "prompt")
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer")
         mrope = None
         if pixel_values is not None or image_grid_thw is not None:
             mrope = self._image_positions(ids, pixel_values, image_grid_thw)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
-        req = Request(rid, ids, params, on_update=on_update, generator=gen, mrope=mrope)
-        if mrope is not None:
-            req.images = (pixel_values, image_grid_thw)
+        seed = params.seed if params.seed is not None else random_seed()
+        images = (pixel_values, image_grid_thw) if mrope is not None else None
+        choices = [
+            Request(
+                rid if i == 0 else f"{rid}/{i}",
+                ids,
+                params,
+                on_update=on_update,
+                index=i,
+                group=rid,
+                generator=torch.Generator(device=self.device).manual_seed(choice_seed(seed, i)),
+                mrope=mrope,
+                images=images,
+            )  # fmt: skip
+            for i in range(params.n)
+        ]
+        parent = choices[0]
+        parent.choices, parent.forks = choices, choices[1:]
         with self._lock:
-            self._incoming.append(req)
-        return req
+            self._incoming.append(parent)
+        return parent
 
     def _image_positions(self, ids: list[int], pixel_values, grid) -> tuple[torch.Tensor, int]:
         """Check a request's images against the model and its placeholders; (MRoPE table [3, L], delta)."""
@@ -214,16 +193,27 @@ class Engine:
         return positions, int(deltas[0])
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (thread-safe); its slot is freed at the start of the next step."""
+        """Cancel a request, all its choices (thread-safe); slots are freed at the start of the next step."""
         with self._lock:
             self._aborts.add(request_id)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids; a text prompt is checked (valid Unicode, not certainly too long) before tokenizing."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError("text prompts need a tokenizer; pass token ids")
+            size = check_text(prompt, "prompt")
+            if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+                raise FieldError(
+                    f"prompt is {size} bytes, more than max_model_len={self.max_model_len} tokens can hold (a "
+                    f"token covers at most {self.max_prompt_bytes // self.max_model_len} bytes); not tokenized",
+                    "prompt",
+                )
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise FieldError("a prompt is a string or a sequence of token ids (ints)", "prompt") from None
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -232,11 +222,22 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, run the model once, sample. Returns the requests that finished in this step."""
-        finished = self._take_incoming()
+        """Schedule, run the model once, sample. Returns the requests (choices) that finished in this step."""
+        self._take_incoming()
         plan = self._schedule()
-        if not plan:
-            return finished
+        if plan:
+            t0 = time.perf_counter()
+            try:
+                logits = self._forward(plan)
+            except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
+                self._recover(plan, exc)
+            else:
+                self._advance(plan, logits, t0)
+        done, self._finished = self._finished, []
+        return done
+
+    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits [entries that sampled.., V] of one `forward_step` over the plan's stream."""
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n)
@@ -246,30 +247,71 @@ class Engine:
             cached.append(req.num_cached)
         mrope = [req.mrope for req, _ in plan]
         step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope)
-        t0 = time.perf_counter()
         with torch.inference_mode():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             embeds = self._prompt_embeds(plan, ids_t, cu)
-            logits = self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds)
+            return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds)
+
+    def _advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor, t0: float) -> None:
+        """After a successful forward: count the fed tokens, fork n-choice prompts, sample the due entries."""
         rows, to_sample = [], []
+        prompt_fed = recomputed = 0
         for i, (req, n) in enumerate(plan):
+            if req.suspect:
+                recomputed += n
+            else:
+                prompt_fed += max(0, min(n, len(req.prompt_ids) - req.num_cached))
             req.num_cached += n
             if req.num_cached >= len(req.prompt_ids):
                 req.prompt_embeds = None  # prefilled: nothing of the vision tower stays
             if req.num_cached == req.num_tokens:  # fed everything known: the next token is due
+                if req.suspect:  # recomputed its whole history alone: cleared
+                    req.suspect = False
+                    self._suspects.remove(req)
                 rows.append(i)
                 to_sample.append(req)
+                if req.forks:  # prompt prefilled: its other choices start from a copy of its state
+                    for child in self._fork(req):
+                        rows.append(i)
+                        to_sample.append(child)
         if to_sample:
-            finished += self._sample(logits if len(rows) == logits.shape[0] else logits[rows], to_sample)
-        prefill = sum(n for req, n in plan if req.num_cached <= len(req.prompt_ids))
-        self.stats.step(prefill, time.perf_counter() - t0, len(to_sample))
-        return finished
+            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
+        self.stats.step(prompt_fed, time.perf_counter() - t0, len(to_sample), recomputed)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Give the parent's pending children its prefilled state (their reserved slots) and start them."""
+        children, parent.forks = parent.forks, []
+        for child in children:
+            self.cache.copy_slot(parent.slot, child.slot)
+            child.num_cached = parent.num_cached
+            self.running.append(child)
+        return children
+
+    def _recover(self, plan: list[tuple[Request, int]], exc: Exception) -> None:
+        """A forward over `plan` raised: end its request if it ran alone, else reset and suspect them all."""
+        self.stats.failed_steps += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if len(plan) == 1:
+            req = plan[0][0]
+            log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
+            self._finish(req, "error", f"the model step failed on this request: {what}")
+            return
+        ids = ", ".join(req.request_id for req, _ in plan)
+        log.warning("model step of %d requests failed (%s); recomputing them one at a time: %s", len(plan), what, ids)
+        for req, _ in plan:
+            self.cache.reset_slot(req.slot)  # partly written by the failed step
+            req.num_cached = 0
+            req.prompt_embeds = None
+            if not req.suspect:
+                req.suspect = True
+                self._suspects.append(req)
 
     def _prompt_embeds(self, plan, ids: torch.Tensor, cu: list[int]) -> torch.Tensor | None:
         """The step's input embeddings when an entry is a chunk of an image prompt, else None (token embeddings).
 
         An image request's first chunk runs the vision tower once over its images and keeps the whole prompt's
-        embeddings (features scattered into the placeholders) until its prefill ends.
+        embeddings (features scattered into the placeholders) until its prefill ends. A chunk that runs past the
+        prompt (a recompute) keeps the token embeddings of its generated tokens.
         """
         image_entries = [
             i for i, (req, _) in enumerate(plan) if req.mrope is not None and req.num_cached < len(req.prompt_ids)
@@ -282,30 +324,37 @@ class Engine:
                 pixel_values, grid = req.images
                 prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
                 req.prompt_embeds = self.model.embed(prompt, pixel_values.to(self.device), grid.to(self.device))
-                req.images = None
         embeds = self.model.embed(ids, None, None)
         for i in image_entries:
             req, n = plan[i]
-            embeds[cu[i] : cu[i] + n] = req.prompt_embeds[req.num_cached : req.num_cached + n]
+            k = min(n, len(req.prompt_ids) - req.num_cached)
+            embeds[cu[i] : cu[i] + k] = req.prompt_embeds[req.num_cached : req.num_cached + k]
         return embeds
 
-    def _take_incoming(self) -> list[Request]:
+    def _unfinished(self) -> Iterator[Request]:
+        """Every queued or running request, with children still waiting for their parent's prefill."""
+        for req in itertools.chain(self.waiting, self.running):
+            yield req
+            yield from req.forks
+
+    def _take_incoming(self) -> None:
         with self._lock:
             self.waiting.extend(self._incoming)
             self._incoming.clear()
             aborts, self._aborts = self._aborts, set()
-        done = []
         if aborts:
-            for req in [r for r in itertools.chain(self.waiting, self.running) if r.request_id in aborts]:
-                if req in self.waiting:
-                    self.waiting.remove(req)
-                self._finish(req, "abort")
-                done.append(req)
-        return done
+            for req in [r for r in self._unfinished() if r.group in aborts or r.request_id in aborts]:
+                self._finish(req, "abort", "cancelled")
 
     def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, tokens to feed) pairs: decodes, then prefill chunks, then admissions, within the budget."""
+        """(request, tokens to feed) pairs: decodes, then prefill chunks, then admissions, within the budget.
+
+        While suspects of a failed step remain, a step runs the first of them alone (its recompute, chunked).
+        """
         budget = self.max_num_batched_tokens
+        if self._suspects:
+            req = self._suspects[0]
+            return [(req, min(budget, req.num_tokens - req.num_cached))]
         plan = []
         decoding = [r for r in self.running if r.num_cached >= len(r.prompt_ids)]
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_ids)]
@@ -320,42 +369,58 @@ class Engine:
             n = min(budget, len(req.prompt_ids) - req.num_cached)
             plan.append((req, n))
             budget -= n
-        while budget > 0 and self.waiting and self.cache.free_slots > 0:
+        # A request with n choices is admitted when its n slots are free (its children reserve theirs now).
+        while budget > 0 and self.waiting and self.cache.free_slots > len(self.waiting[0].forks):
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
+            for child in req.forks:
+                child.slot = self.cache.allocate()
             self.running.append(req)
             n = min(budget, len(req.prompt_ids))
             plan.append((req, n))
             budget -= n
         return plan
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[Request]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         want = any(r.params.logprobs is not None for r in reqs)
-        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], with_logprobs=want)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist() if want else None
+        errors: dict[int, str] = {}
+        tokens, logprobs = sample(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], with_logprobs=want, errors=errors
+        )
+        chosen = logprobs.gather(1, tokens.clamp_min(0)[:, None]).squeeze(1).tolist() if want else None
         tokens_host = tokens.tolist()
         top_n = max((r.params.logprobs or 0) for r in reqs)
         top = torch.topk(logprobs, top_n, dim=-1) if top_n else None
         now = time.perf_counter()
-        done = []
         for i, req in enumerate(reqs):
             tok = tokens_host[i]
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.params.logprobs is not None:
-                req.logprobs.append(chosen[i])
-                if req.params.logprobs:
-                    n = req.params.logprobs
-                    pairs = zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist(), strict=True)
-                    req.top_logprobs.append(list(pairs))
-            reason = self._stop_reason(req, tok)
+            if tok == FAILED:
+                msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
+                log.error("request %s failed: %s", req.request_id, msg)
+                self._finish(req, "error", msg)
+                continue
+            try:
+                reason = self._record(req, tok, chosen[i] if want else None, top, i, now)
+            except Exception as e:  # e.g. the tokenizer failing on this request's text: its problem alone
+                log.exception("request %s failed after sampling", req.request_id)
+                self._finish(req, "error", f"processing the sampled token failed: {type(e).__name__}: {e}")
+                continue
             if reason is not None:
                 self._finish(req, reason)
-                done.append(req)
-            elif req.on_update is not None:
-                req.on_update(req)
-        return done
+            else:
+                self._notify(req)
+
+    def _record(self, req: Request, tok: int, chosen: float | None, top, i: int, now: float) -> str | None:
+        """Append a sampled token (and its log-probs) to `req`; its stop reason or None."""
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.logprobs is not None:
+            req.logprobs.append(chosen)
+            if req.params.logprobs:
+                n = req.params.logprobs
+                req.top_logprobs.append(list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist(), strict=True)))
+        return self._stop_reason(req, tok)
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -374,55 +439,77 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End `req` (idempotent): free its slot, count it, tell its client; pending children share its end."""
+        if req.finished:
+            return
         req.finish_reason = reason
+        req.error = error
         req.finish_time = time.perf_counter()
         req.images = req.prompt_embeds = None
+        if req.suspect:
+            req.suspect = False
+            self._suspects.remove(req)
         if req.slot is not None:
-            self.cache.release(req.slot)
-            req.slot = None
+            slot, req.slot = req.slot, None
+            self.cache.release(slot)
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        forks, req.forks = req.forks, []
         self.stats.finish(req)
-        if req.on_update is not None:
+        self._finished.append(req)
+        self._notify(req)
+        for child in forks:  # never forked: they share the parent's prompt, so its fate
+            self._finish(child, reason, error)
+
+    def _notify(self, req: Request) -> None:
+        if req.on_update is None:
+            return
+        try:
             req.on_update(req)
+        except Exception as e:  # its client is gone or broken: cancel the request, keep serving the others
+            log.warning("update callback of %s failed (%s: %s); cancelling it", req.request_id, type(e).__name__, e)
+            if not req.finished:
+                with self._lock:
+                    self._aborts.add(req.group)
+
+    def fail_all(self, reason: str, message: str) -> list[Request]:
+        """End every queued, running and incoming request with `reason` ("error" or "abort") and `message`.
+
+        The server's last resort (an exception outside the model step, or shutdown); safe to call when the
+        engine's state is inconsistent: a request that cannot be finished cleanly is still marked and notified.
+        """
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+        for req in list(self._unfinished()):
+            try:
+                self._finish(req, reason, message)
+            except Exception:
+                log.exception("could not finish request %s cleanly", req.request_id)
+                req.finish_reason, req.error, req.slot = reason, message, None
+                self._finished.append(req)
+                self._notify(req)
+        self.running.clear()
+        self.waiting.clear()
+        self._suspects.clear()
+        done, self._finished = self._finished, []
+        return done
 
     # ---- synchronous API -----------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Run prompts to completion (continuous batching among them); one `Completion` per prompt, in order."""
+        """Run prompts to completion (continuous batching among them).
+
+        Returns one `Completion` per prompt and choice, in order (a prompt whose params have n > 1 gives its n
+        choices one after another, `Completion.index` 0..n-1).
+        """
         params_list = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        while not all(r.finished for r in reqs):
+        choices = [c for r in reqs for c in r.choices]
+        while not all(c.finished for c in choices):
             self.step()
-        return [r.completion(self.tokenizer is not None) for r in reqs]
-
-
-class EngineStats:
-    """Counters for /metrics: tokens, steps, TTFT and TPOT of recently finished requests."""
-
-    def __init__(self, window: int = 1000):
-        self.window = window
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.steps = 0
-        self.step_seconds = 0.0
-        self.finished = 0
-        self.ttft: deque[float] = deque(maxlen=window)
-        self.tpot: deque[float] = deque(maxlen=window)
-        self.started = time.perf_counter()
-
-    def step(self, prompt_tokens: int, seconds: float, sampled: int) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-        self.generated_tokens += sampled
-        self.prompt_tokens += prompt_tokens
-
-    def finish(self, req: Request) -> None:
-        self.finished += 1
-        if req.first_token_time is not None:
-            self.ttft.append(req.first_token_time - req.arrival)
-            n = len(req.output_ids)
-            if n > 1 and req.finish_time is not None:
-                self.tpot.append((req.finish_time - req.first_token_time) / (n - 1))
+        return [c.completion(self.tokenizer is not None) for c in choices]

@@ -1,4 +1,10 @@
-"""OpenAI API request bodies (the subset served) and OpenAI-style error bodies."""
+"""OpenAI API request bodies (the subset served), their checks, and OpenAI-style error bodies.
+
+Nothing a client sends is silently dropped when it would change the answer: OpenAI parameters this server does
+not implement (penalties, `logit_bias`, `best_of`, `echo`, `suffix`, tools, a non-text `response_format`) are
+refused with a 400 naming them unless they hold their neutral default, and so is an unknown chat content part.
+Unknown extra fields (`user`, `metadata`, ...) are ignored: they do not change generation.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashnext.errors import InputError
-from flashnext.serve.sampling import SamplingParams
+from flashnext.serve.sampling import FieldError, SamplingParams, check_text
+
+BadRequest = FieldError  # an invalid field: the 400's message names field and value, `field` is its `param`
+
+IMAGE_SENTINEL = "\ue000"  # stands for one image in the rendered chat template (a private-use character)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A short repr of a client's value for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Body(BaseModel):
@@ -18,11 +33,12 @@ class _Body(BaseModel):
     max_tokens: int | None = None
     """Tokens to generate (>= 1); default 16 (completions) or up to the context length (chat)."""
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 = greedy. NaN / inf pass the schema so that the refusal names the field and the value."""
     top_p: float = 1.0
     top_k: int = 0
     """Extension (vLLM-style): keep the k most likely tokens; 0 = all."""
     seed: int | None = None
+    """An int64; with n > 1, choice i samples with `choice_seed(seed, i)`."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     """Extension: ids that end generation."""
@@ -30,13 +46,36 @@ class _Body(BaseModel):
     """Extension: generate past EOS."""
     stream: bool = False
     n: int = 1
-    """Only 1 is supported."""
+    """Choices of the prompt; they share its prefill."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """`BadRequest` for an OpenAI parameter this server would otherwise ignore."""
+        unsupported = {
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logit_bias": bool(self.logit_bias),
+            "tools": bool(self.tools),
+            "functions": bool(self.functions),
+            "response_format": self.response_format is not None and self.response_format.get("type") != "text",
+            **self._unsupported(),
+        }
+        for name, bad in unsupported.items():
+            if bad:
+                raise BadRequest(f"{name}={show(getattr(self, name))} is not supported by this server", name)
+
+    def _unsupported(self) -> dict[str, bool]:
+        return {}
 
     def sampling(self, max_tokens: int, logprobs: int | None, stop_ids: list[int]) -> SamplingParams:
-        if self.n != 1:
-            raise InputError(f"n={self.n} is not supported (only n=1)")
+        """The request's `SamplingParams`, validated (`FieldError` naming the field and value)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
@@ -46,7 +85,10 @@ class _Body(BaseModel):
             stop_token_ids=list(self.stop_token_ids) + stop_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            n=self.n,
         )
+        params.validate()
+        return params
 
 
 class CompletionRequest(_Body):
@@ -55,6 +97,20 @@ class CompletionRequest(_Body):
     logprobs: int | None = None
     """Include the sampled token's log-prob and the top n (0..20)."""
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _unsupported(self) -> dict[str, bool]:
+        return {"echo": self.echo, "best_of": self.best_of not in (None, 1, self.n), "suffix": bool(self.suffix)}
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or ids); `BadRequest` for a batch of several."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
+        return prompt
 
 
 class ChatMessage(BaseModel):
@@ -69,6 +125,61 @@ class ChatRequest(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def completion_limit(self) -> int | None:
+        """`max_completion_tokens`, else `max_tokens` (None: up to the context); `BadRequest` if < 1."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                if value < 1:
+                    raise BadRequest(f"{name} must be an integer >= 1, got {value}", name)
+                return value
+        return None
+
+    def logprobs_setting(self) -> int | None:
+        """`SamplingParams.logprobs`: None, or the top n (0 = the sampled token's only)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest(f"top_logprobs={self.top_logprobs} needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self, urls: list[str]) -> list[dict[str, str]]:
+        """Messages for the chat template: every content as one string (image parts as `IMAGE_SENTINEL`, their
+        URLs appended to `urls`). `BadRequest` naming the part for a malformed or unsupported one."""
+        out = []
+        for i, m in enumerate(self.messages):
+            check_text(m.role, f"messages[{i}].role")
+            out.append({"role": m.role, "content": _content_text(m.content, urls, f"messages[{i}].content")})
+        return out
+
+
+def _content_text(content, urls: list[str], where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        check_text(content, where)
+        return content
+    out = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise BadRequest(f"{at}.text must be a string, got {show(text)}", f"{at}.text")
+            check_text(text, f"{at}.text")
+            out.append(text)
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise BadRequest(f"{at}: an image_url part needs image_url.url (a data: URL)", f"{at}.image_url")
+            urls.append(url)
+            out.append(IMAGE_SENTINEL)
+        else:
+            raise BadRequest(
+                f"{at}: content part type {show(kind)} is not supported (supported: 'text', 'image_url')", f"{at}.type"
+            )
+    return "".join(out)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:

@@ -1,15 +1,48 @@
 """Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seeds).
 
+Degenerate but finite values keep their limiting meaning instead of failing:
+- a temperature below the smallest normal fp32 number (`GREEDY_BELOW`, about 1.2e-38; e.g. 1e-45) is greedy,
+  the T -> 0 limit (in fp32 such a temperature is 0 or denormal); any larger one samples at full precision
+  because logits are shifted by their maximum before the division, so `(logit - max) / T` never overflows
+  (tokens far below the maximum get probability 0, the maximum keeps 1);
+- a temperature beyond the fp32 range is the T -> inf limit (uniform over the tokens top-k keeps);
+- a `top_p` so small that it keeps nothing (e.g. 1e-300, which is 0 in fp32) keeps the most likely token.
+Non-finite values (NaN, inf) are refused by `SamplingParams.validate`.
+
+Row isolation: a row whose logits are not finite (NaN or +inf from the model) or whose sampling raises gets the
+token `FAILED` (-1); the other rows are unaffected. The sampled-row path never hands `multinomial` an invalid
+distribution (which on CUDA is a device-side assert that would end every request), whatever the logits.
+
 Legend: n sequences sampled this step, V vocab.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import random
 from dataclasses import dataclass, field
 
 import torch
 
 from flashnext.errors import InputError
+
+log = logging.getLogger("flashnext.serve")
+
+FAILED = -1
+"""Token of a row that could not be sampled (non-finite logits or an error in its sampling)."""
+GREEDY_BELOW = torch.finfo(torch.float32).tiny
+"""Temperatures below this (the smallest normal fp32 number) sample greedily: the T -> 0 limit."""
+_FP32_MAX = torch.finfo(torch.float32).max
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class FieldError(InputError):
+    """An invalid request field; `field` names it (an HTTP error body's `param`), the message names the value."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -18,14 +51,18 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+        temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling (see the module
+            doc for tiny and huge values).
         top_k: keep the k most likely tokens (0 = all).
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = all).
-        seed: seeds this request's own generator, so its samples do not depend on the rest of the batch.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = all); the most
+            likely token is always kept.
+        seed: an int64; seeds this request's own generator, so its samples do not depend on the rest of the batch.
+            With n > 1, choice i uses `choice_seed(seed, i)` (choice 0: `seed` itself).
         stop_token_ids: ids that end the request (the id is kept in `token_ids`).
-        stop: strings that end the request; the text is cut before the first match (needs a tokenizer).
+        stop: non-empty strings that end the request; the text is cut before the first match (needs a tokenizer).
         ignore_eos: keep generating past the model's EOS id.
         logprobs: None = no log-probs; 0 = the sampled token's; n > 0 = also the top n per position.
+        n: completions of the prompt; they share its prefill (the prompt's state is computed once and copied).
     """
 
     max_tokens: int = 16
@@ -37,19 +74,76 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature 0, or one below `GREEDY_BELOW` (its limit)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
-        """Raise `InputError` naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InputError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        """Raise `InputError` naming the first bad field and its value."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise FieldError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise FieldError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise FieldError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:  # NaN fails the comparison too
+            raise FieldError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise FieldError(f"seed must be an int64 (in [-2**63, 2**63 - 1]), got {self.seed!r}", "seed")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise FieldError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
+        if not _is_int(self.n) or self.n < 1:
+            raise FieldError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        bad = next((i for i, t in enumerate(self.stop_token_ids) if not _is_int(t)), None)
+        if bad is not None:
+            raise FieldError(
+                f"stop_token_ids[{bad}] must be an integer, got {self.stop_token_ids[bad]!r}", "stop_token_ids"
+            )
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise FieldError(f"stop[{i}] must be a non-empty string, got {s!r}", f"stop[{i}]")
+            check_text(s, f"stop[{i}]")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def check_text(text: str, name: str) -> int:
+    """UTF-8 size of `text` in bytes; `FieldError` naming `name` if it holds an unpaired surrogate (not Unicode)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise FieldError(
+            f"{name} contains an unpaired surrogate {text[e.start]!r} at character {e.start}: not valid Unicode", name
+        ) from None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The int64 seed of choice `index` of a request seeded with `seed` (choice 0: `seed` itself).
+
+    Choices i > 0 get a splitmix64 hash of `(seed, i)`, so choices differ, are reproducible, and the choices of
+    nearby seeds do not coincide (as `seed + i` would make them).
+    """
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return z - 2**64 if z > INT64_MAX else z
+
+
+def random_seed() -> int:
+    """A fresh int64 seed for a request without one."""
+    return random.SystemRandom().randint(INT64_MIN, INT64_MAX)
 
 
 def sample(
@@ -57,6 +151,7 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     with_logprobs: bool = True,
+    errors: dict[int, str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row.
 
@@ -64,26 +159,48 @@ def sample(
         logits: [n, V] raw next-token logits; params / generators: one per row.
         with_logprobs: compute the log-probs (False: the second result is None; a step of requests that asked
             for none skips the full-vocabulary log-softmax).
+        errors: if given, receives `{row: message}` for rows whose sampling raised.
 
     Returns:
-        tokens int64 [n] and logprobs fp32 [n, V] (log-softmax of the raw logits: the model's distribution,
-        which is what a trainer's `token_logprobs` computes for the same position).
+        tokens int64 [n] (`FAILED` for a row with non-finite logits or a sampling error) and logprobs fp32
+        [n, V] (log-softmax of the raw logits: the model's distribution, which is what a trainer's
+        `token_logprobs` computes for the same position).
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None
-    tokens = logits.argmax(-1)
+    # max (not argmax): the same one reduction gives the greedy token and, through the maximum, whether the row
+    # is usable (NaN propagates into it, +inf is it).
+    maxes, tokens = logits.max(-1)
+    failed = []
     for i, p in enumerate(params):
-        if p.temperature == 0:
+        if p.greedy:
             continue
-        row = logits[i] / p.temperature
-        if 0 < p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            # Keep a token while the mass before it is below top_p (the most likely token always stays).
-            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
-            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
+        try:
+            tokens[i] = _sample_row(logits[i], maxes[i], p, generators[i])
+        except Exception as e:  # this row's problem, not the batch's
+            log.warning("sampling row %d failed: %s: %s", i, type(e).__name__, e)
+            failed.append(i)
+            if errors is not None:
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+    tokens = tokens.masked_fill(~torch.isfinite(maxes), FAILED)
+    if failed:
+        tokens[failed] = FAILED
     return tokens, logprobs
+
+
+def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen: torch.Generator | None):
+    """One token of a non-greedy row [V] (a 1-element tensor). The distribution is valid for any logits: a
+    non-finite row (reported FAILED by the caller) becomes uniform here rather than reaching `multinomial`."""
+    scaled = (row - row_max).nan_to_num_(nan=0.0) / min(p.temperature, _FP32_MAX)
+    if 0 < p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]  # on the raw logits: scaling keeps the order
+        scaled = scaled.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep a token while the mass before it is below top_p; the most likely one always stays (a top_p that
+        # rounds to 0 in fp32 would otherwise drop every token).
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+        drop[0] = False
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=gen).squeeze(0)

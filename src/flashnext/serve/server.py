@@ -1,42 +1,58 @@
 """OpenAI-compatible HTTP server: FastAPI app over an `Engine` stepped by a background thread.
 
 Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (both with SSE streaming). With an API key, /v1/* needs `Authorization: Bearer KEY`.
-A malformed or impossible request gets a 4xx with an OpenAI-style `{"error": {...}}` body; a client that
-disconnects mid-stream has its request aborted, which frees its cache slot at the engine's next step.
+POST /v1/chat/completions (both with SSE streaming and `n` choices). With an API key, /v1/* needs
+`Authorization: Bearer KEY`. A malformed or impossible request gets a 4xx with an OpenAI-style `{"error": {...}}`
+body naming the bad field and value (413 for a body over `max_request_bytes`); a client that disconnects has its
+request aborted, which frees its cache slots at the engine's next step. A request that fails while generating
+(see `Engine`: one request's failure never ends another) gets a 5xx error body, or on a stream an error event
+then `[DONE]`; it is never reported as a normal finish.
 
 Threads: the engine (model, cache, scheduler) is touched only by `EngineLoop`'s thread; request handlers queue
 requests through the engine's thread-safe `add_request` / `abort`, and the engine reports progress through each
-request's `on_update` callback, which hands a snapshot to the handler's asyncio queue.
+request's `on_update` callback, which hands a snapshot to the handler's asyncio queue. Tokenizing and rendering
+the chat template run in a worker thread (`asyncio.to_thread`), so a large prompt never stalls the event loop.
+
+Logs (logger `flashnext.serve`, INFO): one line per finished request (id, prompt and completion tokens, finish
+reason, time to first token, duration) and, while busy, one throughput line every `log_every` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from flashnext.errors import FlashNextError, InputError
+from flashnext.errors import FlashNextError
 from flashnext.serve.engine import Engine
-from flashnext.serve.protocol import ChatRequest, CompletionRequest, error_body
+from flashnext.serve.formatting import FAILED_REASONS, Formatter, event, holdback
+from flashnext.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from flashnext.serve.loading import end_of_turn_ids
+from flashnext.serve.protocol import IMAGE_SENTINEL, BadRequest, ChatRequest, CompletionRequest, error_body, show
+from flashnext.serve.stats import prometheus_text
 
 log = logging.getLogger("flashnext.serve")
 
 
 class EngineLoop:
-    """Steps the engine in a daemon thread while it has work; sleeps on an event otherwise."""
+    """Steps the engine in a daemon thread while it has work; sleeps on an event otherwise.
 
-    def __init__(self, engine: Engine):
+    Logs each finished request and, while busy, the recent throughput every `log_every` seconds. On `stop`, every
+    unfinished request ends with "abort" (its client gets an error, not a silent hang).
+    """
+
+    def __init__(self, engine: Engine, log_every: float = 10.0):
         self.engine = engine
+        self.log_every = log_every
         self._wake = threading.Event()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="flashnext-engine", daemon=True)
@@ -51,28 +67,54 @@ class EngineLoop:
         self.thread.join(timeout=5)
 
     def _run(self) -> None:
+        last_log = time.monotonic()
         while not self._stop:
             if not self.engine.has_unfinished():
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
             try:
-                self.engine.step()
-            except Exception:  # keep serving: fail the running requests, not the process
-                log.exception("engine step failed; aborting its requests")
-                for req in list(self.engine.running):
-                    self.engine._finish(req, "abort")
+                done = self.engine.step()
+            except Exception as e:  # outside the model step (which recovers itself): nothing left to trust
+                log.exception("engine step failed; failing every request in flight")
+                done = self.engine.fail_all("error", f"internal error in the engine: {type(e).__name__}: {e}")
+            for req in done:
+                log_finished(req)
+            if time.monotonic() - last_log >= self.log_every:
+                last_log = time.monotonic()
+                log_throughput(self.engine)
+        for req in self.engine.fail_all("abort", "the server is shutting down"):
+            log_finished(req)
+
+
+def log_finished(req) -> None:
+    ttft = f"{req.first_token_time - req.arrival:.3f}s" if req.first_token_time is not None else "-"
+    total = (req.finish_time or time.perf_counter()) - req.arrival
+    log.info(
+        "request %s finished: %s, prompt %d tokens, completion %d tokens, ttft %s, %.3fs%s",
+        req.request_id, req.finish_reason, len(req.prompt_ids), len(req.output_ids), ttft, total,
+        f" ({req.error})" if req.error else "",
+    )  # fmt: skip
+
+
+def log_throughput(engine: Engine) -> None:
+    prompt_rate, gen_rate = engine.stats.recent_rates()
+    log.info(
+        "last %gs: %.1f generated tokens/s, %.1f prompt tokens/s; %d running, %d waiting, %d free slots",
+        engine.stats.rate_seconds, gen_rate, prompt_rate, len(engine.running), len(engine.waiting),
+        engine.cache.free_slots,
+    )  # fmt: skip
 
 
 class _Stream:
-    """A request's progress as seen by its handler: (tokens so far, text, finish reason) snapshots."""
+    """A request's progress as seen by its handler: (choice index, tokens so far, text, finish reason) snapshots."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def __call__(self, req) -> None:  # engine thread
-        snap = (len(req.output_ids), req.text, req.finish_reason)
+        snap = (req.index, len(req.output_ids), req.text, req.finish_reason)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, snap)
 
 
@@ -80,17 +122,40 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None, model_dir=None) -> FastAPI:
+def _bad(e: FlashNextError) -> JSONResponse:
+    return _error(400, str(e), param=getattr(e, "field", None))
+
+
+async def _off_loop(fn: Callable, on_cancel: Callable[[], None]):
+    """`fn()` in a worker thread. If the caller is cancelled, `on_cancel` runs once `fn` has returned (so a
+    request `fn` queued after the client left is still cancelled)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else on_cancel())
+        raise
+
+
+def build_app(
+    engine: Engine,
+    model_name: str,
+    api_key: str | None = None,
+    model_dir=None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    log_every: float = 10.0,
+) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
 
     `model_dir`: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
+    `max_request_bytes`: larger request bodies get 413. `log_every`: seconds between throughput log lines.
     """
     state: dict = {"loop": None, "started": time.time(), "model_dir": model_dir}
     tok = engine.tokenizer
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["loop"] = EngineLoop(engine)
+        state["loop"] = EngineLoop(engine, log_every)
         yield
         state["loop"].stop()
 
@@ -101,6 +166,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, model
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "malformed body")
+        if "input" in first and first.get("type") != "missing" and where:
+            msg += f", got {show(first['input'])}"
         return _error(
             400, f"invalid request: {where}: {msg}" if where else f"invalid request: {msg}", param=where or None
         )
@@ -111,6 +178,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, model
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return _error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
+
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
 
     @app.get("/health")
     async def health():
@@ -124,13 +193,13 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, model
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine, state["started"]), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
     def check_model(name: str) -> JSONResponse | None:
         if name != model_name:
             return _error(
                 404,
-                f"model {name!r} does not exist; this server serves {model_name!r}",
+                f"model {show(name)} does not exist; this server serves {model_name!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -140,13 +209,15 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, model
     async def completions(body: CompletionRequest, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
-        prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return _error(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-        params = body.sampling(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, [])
-        return await _serve(request, prompt, params, body.stream, chat=False)
+        try:
+            body.refuse_unsupported()
+            prompt = body.single_prompt()
+            params = body.sampling(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, [])
+        except FlashNextError as e:
+            return _bad(e)
+        return await _serve(
+            request, lambda rid, sink: engine.add_request(prompt, params, rid, sink), body.stream, chat=False
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -155,92 +226,88 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, model
         if tok is None:
             return _error(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
         urls: list[str] = []
-        images = None
         try:
-            messages = [{"role": m.role, "content": _content_text(m.content, urls)} for m in body.messages]
-            if urls:
-                prompt, images = await asyncio.to_thread(_image_prompt, engine, tok, messages, urls, state)
-            else:
-                prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            body.refuse_unsupported()
+            messages = body.template_messages(urls)
+            max_tokens = body.completion_limit()
+            params = body.sampling(max_tokens or 1, body.logprobs_setting(), end_of_turn_ids(tok))
         except FlashNextError as e:
-            return _error(400, str(e), param="messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, engine.max_model_len - len(prompt))
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        end_turn = tok.backend.token_to_id("<|im_end|>")
-        params = body.sampling(max_tokens, logprobs, [end_turn] if end_turn is not None else [])
-        return await _serve(request, prompt, params, body.stream, chat=True, images=images)
+            return _bad(e)
 
-    async def _serve(request: Request, prompt, params, stream: bool, chat: bool, images=None):
+        def prepare(rid: str, sink: _Stream):  # worker thread: render, tokenize, queue
+            kw = {}
+            try:
+                if urls:
+                    ids, images = _image_prompt(engine, tok, messages, urls, state)
+                    kw = dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
+                else:
+                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    ids = engine.encode(text)
+            except jinja2.TemplateError as e:
+                raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+            if max_tokens is None:  # up to the context
+                params.max_tokens = max(1, engine.max_model_len - len(ids))
+            return engine.add_request(ids, params, rid, sink, **kw)
+
+        return await _serve(request, prepare, body.stream, chat=True)
+
+    async def _serve(request: Request, prepare: Callable, stream: bool, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = _Stream(asyncio.get_running_loop())
-        kw = {} if images is None else dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
         try:
-            req = engine.add_request(prompt, params, request_id=rid, on_update=sink, **kw)
+            req = await _off_loop(lambda: prepare(rid, sink), lambda: engine.abort(rid))
         except FlashNextError as e:
-            return _error(400, str(e))
+            return _bad(e)
         state["loop"].wake()
-        fmt = _Formatter(rid, model_name, tok, req, chat)
+        fmt = Formatter(rid, model_name, tok, req.choices, chat)
         if stream:
             return StreamingResponse(_sse(request, req, sink, fmt), media_type="text/event-stream")
+        texts, pending = [""] * len(req.choices), len(req.choices)
         try:
-            while True:
-                n, text, reason = await sink.queue.get()
-                if reason is not None:
-                    break
+            while pending:  # count finish snapshots (not `finished` flags, which run ahead of the queue)
+                i, _, text, reason = await sink.queue.get()
+                texts[i] = text
+                pending -= reason is not None
+                if reason in FAILED_REASONS:
+                    engine.abort(rid)  # the other choices cannot make a response without this one
+                    status, body = fmt.failure(req.choices[i])
+                    return JSONResponse(body, status_code=status)
         except asyncio.CancelledError:
             engine.abort(rid)
             raise
-        return fmt.final(text, reason)
+        return fmt.final(texts)
 
-    async def _sse(request: Request, req, sink: _Stream, fmt: _Formatter) -> AsyncIterator[str]:
-        sent_tokens, sent_text = 0, ""
+    async def _sse(request: Request, req, sink: _Stream, fmt: Formatter) -> AsyncIterator[str]:
+        n = len(req.choices)
+        sent_tokens, sent_text, done = [0] * n, [""] * n, 0
         try:
             if fmt.chat:
-                yield _event(fmt.chunk({"role": "assistant", "content": ""}, None))
-            while True:
+                for i in range(n):
+                    yield event(fmt.chunk(i, {"role": "assistant", "content": ""}, None))
+            while done < n:
                 try:
-                    n, text, reason = await asyncio.wait_for(sink.queue.get(), timeout=1.0)
+                    i, ntok, text, reason = await asyncio.wait_for(sink.queue.get(), timeout=1.0)
                 except TimeoutError:
                     if await request.is_disconnected():
-                        engine.abort(req.request_id)
                         return
                     continue
-                hold = _holdback(text, req.params.stop) if reason is None else 0
-                delta = text[len(sent_text) : len(text) - hold] if len(text) - hold > len(sent_text) else ""
-                if n > sent_tokens or delta or reason is not None:
-                    yield _event(fmt.delta(delta, sent_tokens, n, reason))
-                    sent_tokens, sent_text = n, sent_text + delta
-                if reason is not None:
+                if reason in FAILED_REASONS:
+                    engine.abort(req.request_id)
+                    yield event(fmt.failure(req.choices[i])[1])
                     break
+                stops = req.choices[i].params.stop
+                hold = holdback(text, stops) if reason is None else 0
+                delta = text[len(sent_text[i]) : len(text) - hold] if len(text) - hold > len(sent_text[i]) else ""
+                if ntok > sent_tokens[i] or delta or reason is not None:
+                    done += reason is not None
+                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason, last=done == n))
+                    sent_tokens[i], sent_text[i] = ntok, sent_text[i] + delta
             yield "data: [DONE]\n\n"
         finally:
-            if not req.finished:
-                engine.abort(req.request_id)  # client went away (generator closed): free the slot
+            if not all(c.finished for c in req.choices):
+                engine.abort(req.request_id)  # client went away (generator closed): free the slots
 
     return app
-
-
-IMAGE_SENTINEL = "\ue000"  # stands for one image in the rendered chat template (a private-use character)
-
-
-def _content_text(content, urls: list[str]) -> str:
-    """A message's text; each `image_url` part becomes `IMAGE_SENTINEL` and its URL is appended to `urls`."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for part in content:
-        if part.get("type") == "text":
-            out.append(part.get("text", ""))
-        elif part.get("type") == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str):
-                raise InputError("an image_url part needs image_url.url (a data: URL)")
-            urls.append(url)
-            out.append(IMAGE_SENTINEL)
-    return "".join(out)
 
 
 def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], state: dict):
@@ -249,6 +316,7 @@ def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], st
     The template is rendered as text with a sentinel per image; the text between sentinels is tokenized piece by
     piece (the span's special tokens split the text in the reference tokenizer too).
     """
+    from flashnext.errors import InputError
     from flashnext.vision_inputs import image_processor, image_span, process_images
 
     model = engine.model
@@ -268,141 +336,3 @@ def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], st
         ids += image_span(n, cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
         ids += tok.encode(piece)
     return ids, images
-
-
-def _holdback(text: str, stops: list[str]) -> int:
-    """Characters to keep back while streaming: a possible stop-string prefix, or a partial UTF-8 character."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-class _Formatter:
-    """OpenAI response objects (full and streamed chunks) for one request."""
-
-    def __init__(self, rid: str, model: str, tok, req, chat: bool):
-        self.rid, self.model, self.tok, self.req, self.chat = rid, model, tok, req, chat
-        self.created = int(time.time())
-
-    def _token_str(self, tid: int) -> str:
-        return self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None else str(tid)
-
-    def _logprobs(self, lo: int, hi: int):
-        r = self.req
-        if r.params.logprobs is None:
-            return None
-        ids, lps = r.output_ids[lo:hi], r.logprobs[lo:hi]
-        tops = r.top_logprobs[lo:hi] if r.params.logprobs else [[] for _ in ids]
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": self._token_str(t),
-                        "logprob": lp,
-                        "bytes": list(self._token_str(t).encode()),
-                        "top_logprobs": [
-                            {"token": self._token_str(a), "logprob": b, "bytes": list(self._token_str(a).encode())}
-                            for a, b in top
-                        ],
-                    }
-                    for t, lp, top in zip(ids, lps, tops, strict=True)
-                ]
-            }
-        return {
-            "tokens": [self._token_str(t) for t in ids],
-            "token_ids": list(ids),
-            "token_logprobs": list(lps),
-            "top_logprobs": [{self._token_str(a): b for a, b in top} for top in tops] if r.params.logprobs else None,
-            "text_offset": [],
-        }
-
-    def _usage(self) -> dict:
-        p, c = len(self.req.prompt_ids), len(self.req.output_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def final(self, text: str, reason: str) -> dict:
-        n = len(self.req.output_ids)
-        reason = "stop" if reason == "abort" else reason
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(0, n),
-                "finish_reason": reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "token_ids": list(self.req.output_ids),
-                "logprobs": self._logprobs(0, n),
-                "finish_reason": reason,
-            }
-            obj = "text_completion"
-        return {
-            "id": self.rid, "object": obj, "created": self.created, "model": self.model,
-            "choices": [choice], "usage": self._usage(),
-        }  # fmt: skip
-
-    def chunk(self, delta, reason, logprobs=None) -> dict:
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}
-            obj = "text_completion"
-        out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-        if reason is not None:
-            out["usage"] = self._usage()
-        return out
-
-    def delta(self, text: str, lo: int, hi: int, reason: str | None) -> dict:
-        reason = "stop" if reason == "abort" else reason
-        out = self.chunk({"content": text} if self.chat else text, reason, self._logprobs(lo, hi))
-        if not self.chat:
-            out["choices"][0]["token_ids"] = list(self.req.output_ids[lo:hi])  # extension: ids of this chunk
-        return out
-
-
-def prometheus_text(engine: Engine, started: float) -> str:
-    """Prometheus exposition of the engine's counters and latency summaries."""
-    s = engine.stats
-    up = max(time.time() - started, 1e-9)
-
-    def quantiles(name: str, values) -> list[str]:
-        vals = sorted(values)
-        lines = [f"# TYPE {name} summary"]
-        for q in (0.5, 0.9, 0.99):
-            v = vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
-            lines.append(f'{name}{{quantile="{q}"}} {v:.6f}')
-        lines += [f"{name}_sum {sum(vals):.6f}", f"{name}_count {len(vals)}"]
-        return lines
-
-    lines = [
-        "# TYPE flashnext_requests_running gauge",
-        f"flashnext_requests_running {len(engine.running)}",
-        "# TYPE flashnext_requests_waiting gauge",
-        f"flashnext_requests_waiting {len(engine.waiting)}",
-        "# TYPE flashnext_requests_finished_total counter",
-        f"flashnext_requests_finished_total {s.finished}",
-        "# TYPE flashnext_prompt_tokens_total counter",
-        f"flashnext_prompt_tokens_total {s.prompt_tokens}",
-        "# TYPE flashnext_generation_tokens_total counter",
-        f"flashnext_generation_tokens_total {s.generated_tokens}",
-        "# TYPE flashnext_generation_tokens_per_second gauge",
-        f"flashnext_generation_tokens_per_second {s.generated_tokens / up:.3f}",
-        "# TYPE flashnext_cache_free_slots gauge",
-        f"flashnext_cache_free_slots {engine.cache.free_slots}",
-    ]
-    lines += quantiles("flashnext_time_to_first_token_seconds", s.ttft)
-    lines += quantiles("flashnext_time_per_output_token_seconds", s.tpot)
-    return "\n".join(lines) + "\n"

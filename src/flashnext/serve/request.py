@@ -1,0 +1,108 @@
+"""A request's scheduling and output state (`Request`, owned by the engine thread) and its result (`Completion`).
+
+A request with `n` choices is a group: the parent (choice 0, the id given to `add_request`) and n-1 children
+(`<id>/<i>`), all listed in the parent's `choices`. The children hold cache slots from admission but wait in the
+parent's `forks` until its prompt is prefilled; then the parent's slot state is copied into theirs and every
+choice samples its first token from the same logits (the prompt is computed once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flashnext.serve.sampling import SamplingParams
+
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+@dataclass
+class Completion:
+    """The result of one request (one choice of it).
+
+    Attributes:
+        token_ids: generated ids (a stop id or EOS that ended the request included).
+        text: decoded text (None without a tokenizer); cut before a matched stop string.
+        logprobs: log-prob of each generated token under the model (None unless requested).
+        top_logprobs: per position, the top n `(token_id, logprob)` pairs (None unless n > 0).
+        finish_reason: "length", "stop", "abort" (cancelled) or "error" (failed; `error` says why).
+        index: the choice's index among the request's n.
+        error: why the request failed (finish_reason "error" or "abort"), else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    index: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)  # identity: requests are compared as objects (membership in the queues)
+class Request:
+    """A request's scheduling and output state (owned by the engine thread).
+
+    `num_cached` counts the known tokens (prompt, then generated ones) whose state is in the slot; after a failed
+    step the slot is reset and `num_cached` restarts at 0, so the request is recomputed from its token history
+    (`suspect` until that recompute succeeds).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_update: Callable[[Request], None] | None = None
+    generator: torch.Generator | None = None
+    index: int = 0  # choice index within the group
+    group: str = ""  # the parent's request id (what `Engine.abort` matches)
+    choices: list[Request] = field(default_factory=list)  # the group's choices, on the parent
+    forks: list[Request] = field(default_factory=list)  # children waiting for the parent's prefill
+    slot: int | None = None
+    num_cached: int = 0  # tokens whose state is in the cache
+    suspect: bool = False  # in a failed step; recomputed alone until it passes or fails on its own
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) until finished
+    prompt_embeds: torch.Tensor | None = None  # [L, D] text + image features, while prefilling
+    mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pending_ids(self, n: int) -> list[int]:
+        """The next n known tokens to feed: prompt tokens, then generated ones (a decode feeds the last one)."""
+        start, p = self.num_cached, len(self.prompt_ids)
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - p) : start + n - p]
+
+    def completion(self, with_text: bool) -> Completion:
+        want = self.params.logprobs is not None
+        return Completion(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            token_ids=list(self.output_ids),
+            text=self.text if with_text else None,
+            logprobs=list(self.logprobs) if want else None,
+            top_logprobs=[list(t) for t in self.top_logprobs] if want and self.params.logprobs else None,
+            finish_reason=self.finish_reason,
+            index=self.index,
+            error=self.error,
+        )

@@ -1,0 +1,144 @@
+"""`flashnext serve` / `generate` as a user meets them: what a wrong --model is, --chat stopping at the end of
+the turn, --served-model-name, a port already in use, the server's log lines."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from serve_helpers import running_server
+
+from flashnext.cli import _serve_app, build_parser
+from flashnext.cli import main as cli_main
+from flashnext.serve.loading import load_for_serving
+
+
+def _touch(path, text="{}"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("layout", "needles"),
+    [
+        ("missing", ["does not exist"]),
+        ("file", ["is a file"]),
+        ("step", ["is a training checkpoint", "flashnext convert --checkpoint", "<out_dir>/final"]),
+        ("run", ["training run directory", "final"]),
+        ("checkpoints", ["holds training checkpoints", "step_00000020", "flashnext convert --checkpoint"]),
+        ("empty", ["has no config.json", "not a model directory"]),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_wrong_model_dir_says_what_it_is(tmp_path, capsys, layout, needles, command):
+    path = tmp_path / "x"
+    if layout == "file":
+        _touch(path)
+    elif layout == "step":
+        _touch(path / "state.pt", "")
+        _touch(path / "meta.json")
+    elif layout == "run":
+        _touch(path / "final" / "config.json")
+        _touch(path / "checkpoints" / "step_00000010" / "meta.json")
+    elif layout == "checkpoints":
+        for step in (10, 20):
+            _touch(path / f"step_{step:08d}" / "meta.json")
+    elif layout == "empty":
+        path.mkdir()
+    extra = ["--port", "0"] if command == "serve" else []
+    assert cli_main([command, "--model", str(path), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashnext {command}: error: ") and str(path) in err
+    for needle in needles:
+        assert needle in err
+
+
+def test_generate_chat_stops_at_end_of_turn(tmp_path, capsys):
+    """A checkpoint whose <|im_end|> (id 4) logit row is made to win at the 3rd token: `generate --chat` stops
+    there, as the server's chat endpoint does; the same prompt ids without --chat generate past it."""
+    torch.set_num_threads(1)
+    model, tok, _ = load_for_serving(None)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    greedy = Engine(model, tok, max_slots=1, max_model_len=64).generate([prompt], SamplingParams(temperature=0))
+    with torch.no_grad():
+        model.lm_head.weight[4] = model.lm_head.weight[greedy[0].token_ids[2]] * 1.5
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt")
+    common = ["--model", str(tmp_path / "ckpt"), "--max-tokens", "8", "--threads", "1"]
+    assert cli_main(["generate", "--chat", "--prompt", "Hello", *common]) == 0
+    chat = capsys.readouterr().err
+    assert "finish_reason=stop" in chat and ", 4]" in chat
+    assert cli_main(["generate", "--ids", ",".join(map(str, prompt)), *common]) == 0
+    plain = capsys.readouterr().err
+    assert "8 tokens" in plain and "finish_reason=length" in plain
+    assert chat.split("ids=[")[1].rstrip("]\n") in plain  # the same tokens up to the stop, then more
+
+
+def test_served_model_name():
+    """--served-model-name is the id /v1/models lists and requests must name; the default stays flashnext-tiny."""
+    torch.set_num_threads(1)
+    small = ["--max-slots", "1", "--max-model-len", "32", "--threads", "1"]
+    _, name, _ = _serve_app(build_parser().parse_args(["serve", *small]))
+    assert name == "flashnext-tiny"
+    app, name, _ = _serve_app(build_parser().parse_args(["serve", "--served-model-name", "my-model", *small]))
+    with running_server(app) as base:
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["my-model"]
+        body = {"model": "my-model", "prompt": [5, 6], "max_tokens": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.post(f"{base}/v1/completions", json={**body, "model": name + "x"}).status_code == 404
+
+
+def test_busy_port_is_an_error_before_any_announcement(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli_main(["serve", "--port", str(port)]) == 1
+    out = capsys.readouterr()
+    assert "serving" not in out.out
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.err and "--port" in out.err
+
+
+@pytest.mark.slow  # two processes; the in-process cases above cover the name and the port
+def test_serve_process_name_logs_and_busy_port():
+    """`flashnext serve` as a process: it announces the name, answers, logs each request on stderr; a second one
+    on the same port exits 1 naming host:port, without announcing that it serves."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "flashnext.cli", "serve", "--port", str(port), "--threads", "1", "--max-slots", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen([*cmd, "--served-model-name", "my-model"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert f"serving 'my-model' on http://127.0.0.1:{port}/v1" in first.stdout.readline()
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                models = httpx.get(f"{base}/v1/models", timeout=5).json()
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline, "the server never answered"
+                time.sleep(0.1)
+        assert [m["id"] for m in models["data"]] == ["my-model"]
+        r = httpx.post(
+            f"{base}/v1/completions", json={"model": "my-model", "prompt": "hi", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert second.returncode == 1 and "serving" not in second.stdout
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "--port" in second.stderr
+    finally:
+        first.terminate()
+        _, err = first.communicate(timeout=30)
+    assert f"request {r.json()['id']} finished: length, prompt" in err

@@ -1,0 +1,124 @@
+"""The sampler: non-finite parameters refused naming field and value, degenerate finite ones keep their limiting
+meaning, rows isolated from each other, per-choice seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashnext.errors import InputError
+from flashnext.serve.sampling import FAILED, INT64_MAX, INT64_MIN, SamplingParams, choice_seed, sample
+
+V = 50
+
+
+def _logits(n: int = 1, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("temperature", math.nan, "nan"),
+        ("temperature", math.inf, "inf"),
+        ("temperature", -math.inf, "-inf"),
+        ("temperature", -0.5, "-0.5"),
+        ("top_p", math.nan, "nan"),
+        ("top_p", math.inf, "inf"),
+        ("top_p", 0.0, "0.0"),
+        ("top_p", 1.5, "1.5"),
+        ("top_k", -1, "-1"),
+        ("max_tokens", 0, "0"),
+        ("seed", INT64_MAX + 1, str(INT64_MAX + 1)),
+        ("seed", INT64_MIN - 1, str(INT64_MIN - 1)),
+        ("logprobs", 21, "21"),
+        ("n", 0, "0"),
+        ("stop", [""], "''"),
+        ("stop", ["a\ud800b"], "surrogate"),
+    ],
+)
+def test_bad_values_refused_naming_field_and_value(field, value, shown):
+    with pytest.raises(InputError, match=field) as err:
+        SamplingParams(**{field: value}).validate()
+    assert shown in str(err.value) and err.value.field.startswith(field)
+
+
+def test_extreme_int64_seeds_accepted():
+    for seed in (INT64_MIN, -1, 0, INT64_MAX):
+        SamplingParams(seed=seed).validate()
+        torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "temperature", [1e-45, 1e-300, 1e-38, 1e-37], ids=["denormal", "zero-in-fp32", "tiny", "1e-37"]
+)
+def test_tiny_temperature_is_greedy(temperature):
+    """Tokens of any positive temperature too small to matter are the argmax: below fp32's smallest normal
+    number the row is greedy; above it, logits scaled by 100 divided by 1e-37 would overflow without the shift
+    by the maximum (inf - inf = NaN)."""
+    logits = _logits(8, scale=100.0)
+    params = [SamplingParams(temperature=temperature)] * 8
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    tokens, _ = sample(logits, params, gens)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_the_top_token():
+    """top_p = 1e-300 rounds to 0 in fp32; the most likely token is still kept (so the sample is the argmax)."""
+    logits = _logits(8)
+    params = [SamplingParams(temperature=1.0, top_p=1e-300)] * 8
+    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(8)])
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_huge_temperature_is_uniform_over_top_k():
+    """temperature 1e300 (inf in fp32) is the T -> inf limit: uniform over the tokens top-k keeps."""
+    logits = _logits(1)
+    top3 = set(torch.topk(logits[0], 3).indices.tolist())
+    gen = torch.Generator().manual_seed(0)
+    seen = [int(sample(logits, [SamplingParams(temperature=1e300, top_k=3)], [gen])[0]) for _ in range(60)]
+    assert set(seen) == top3
+
+
+def test_rows_are_isolated():
+    """Rows with NaN / +inf / all -inf logits give FAILED; every other row samples exactly as alone."""
+    good = _logits(3, seed=1)
+    logits = torch.cat([good[:1], torch.full((1, V), math.nan), good[1:2], good[2:3]])
+    logits[1, 0] = 0.0
+    bad_inf = good[0].clone()
+    bad_inf[7] = math.inf
+    logits = torch.cat([logits, bad_inf[None], torch.full((1, V), -math.inf)])
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9),  # good
+        SamplingParams(temperature=0.8, top_k=4, top_p=0.5),  # NaN row
+        SamplingParams(temperature=0.0),  # good, greedy
+        SamplingParams(temperature=1.3, top_k=5),  # good
+        SamplingParams(temperature=0.7),  # +inf row
+        SamplingParams(temperature=0.0),  # all -inf
+    ]
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(6)]
+    tokens, _ = sample(logits, params, [g.clone_state() for g in gens])
+    assert tokens[[1, 4, 5]].tolist() == [FAILED] * 3
+    for i, row in ((0, 0), (2, 1), (3, 2)):
+        alone, _ = sample(good[row : row + 1], [params[i]], [gens[i].clone_state()])
+        assert int(tokens[i]) == int(alone[0])
+
+
+def test_sampling_errors_are_reported_per_row():
+    """An exception while sampling one row (here: its generator is not a generator) fails that row, with the
+    reason, and no other."""
+    logits = _logits(2)
+    errors = {}
+    params = [SamplingParams(temperature=1.0)] * 2
+    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(0), "not a generator"], errors=errors)
+    assert int(tokens[1]) == FAILED and 0 <= int(tokens[0]) < V
+    assert list(errors) == [1] and "sampling failed" in errors[1]
+
+
+def test_choice_seeds():
+    seeds = [choice_seed(5, i) for i in range(8)]
+    assert seeds[0] == 5 and len(set(seeds)) == 8
+    assert all(INT64_MIN <= s <= INT64_MAX for s in seeds + [choice_seed(INT64_MAX, 3), choice_seed(INT64_MIN, 3)])
+    assert not set(seeds[1:]) & {choice_seed(6, i) for i in range(8)}  # neighbouring seeds share no choice
