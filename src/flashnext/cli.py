@@ -289,7 +289,7 @@ def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ngram-storage", choices=STORAGES, default="auto",
         help="n-gram tables: auto (FP8 stays FP8, else the model dtype), dense (model dtype), stored (as on disk), "
-        "mmap (rows read from the checkpoint files on demand) (default auto)",
+        "mmap (rows read from the checkpoint files on demand), nf4 (4-bit rows, quantised at load) (default auto)",
     )  # fmt: skip
     p.add_argument(
         "--ngram-resident-mb", type=float, default=DEFAULT_RESIDENT_MB, metavar="MB",

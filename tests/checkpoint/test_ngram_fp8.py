@@ -18,6 +18,7 @@ import flashnext
 from flashnext.checkpoint.layout import ngram_shard_rows
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError
+from flashnext.model.ngram_nf4 import NF4NGramTable, dequantize_nf4, quantize_nf4
 from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
 
@@ -212,3 +213,29 @@ def test_whole_fp8_table_in_the_state_dict_layout(tmp_path, fp8_checkpoint, stor
     with pytest.raises(CheckpointError) as err:
         flashnext.from_pretrained(tmp_path / "sd", ngram_storage=storage)
     assert any(p.startswith(f"missing: {TABLE}.weight_scale") for p in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_nf4_storage_quantises_the_stored_rows_at_load(tmp_path, small_config, fp8_checkpoint, kind):
+    src, model, q, scale = fp8_checkpoint
+    stored = q.float() * scale.float()  # the values an FP8 table holds
+    if kind == "bf16":
+        src = tmp_path / "bf16"
+        model.to(torch.bfloat16).save_pretrained(src)
+        stored = _table(model).weight.detach().float()
+        model.float()
+    nf4 = flashnext.from_pretrained(src, ngram_storage="nf4")
+    table = _table(nf4)
+    assert isinstance(table, NF4NGramTable) and not list(nf4.state_dict().keys() & {f"{TABLE}.weight"})
+    codes, row_scale = quantize_nf4(stored)
+    ids = torch.arange(stored.shape[0]).flip(0)
+    assert torch.equal(table(ids), dequantize_nf4(codes, row_scale, torch.float32)[ids])
+    dense = flashnext.from_pretrained(src, ngram_storage="dense")
+    unquantised = _packed_logits(dense, 64)
+    with torch.no_grad():  # the same model holding the NF4 values as an fp32 table
+        _table(dense).weight.copy_(dequantize_nf4(codes, row_scale, torch.float32))
+    ours, ref = _packed_logits(nf4, 64), _packed_logits(dense, 64)
+    # Two model instances: equal up to fp32 rounding of different kernel blockings, not bitwise.
+    assert (ours - ref).abs().max() <= 1e-6 * ref.abs().max() and not torch.allclose(ours, unquantised)
+    with pytest.raises(CheckpointError, match="an NF4 table is a lossy in-memory copy"):
+        nf4.save_pretrained(tmp_path / "out")

@@ -118,6 +118,8 @@ def test_generate_cli_with_ondisk_tables(checkpoints, capsys):
     expected = capsys.readouterr().err.split("ids=")[1]
     assert cli_main([*args, "--ngram-storage", "mmap", "--ngram-resident-mb", "1"]) == 0
     assert capsys.readouterr().err.split("ids=")[1] == expected
+    assert cli_main([*args, "--ngram-storage", "nf4"]) == 0  # 4-bit rows: runs, tokens may differ
+    capsys.readouterr()
     assert cli_main(["generate", "--ngram-storage", "mmap", "--ids", "1,2"]) == 1
     assert "--ngram-storage mmap needs a checkpoint (--model DIR)" in capsys.readouterr().err
 

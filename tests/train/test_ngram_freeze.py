@@ -138,8 +138,19 @@ def test_ondisk_frozen_table_trains_like_the_stored_one(tmp_path, fp8_checkpoint
     assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-6)
 
 
+def test_frozen_nf4_table_trains(tmp_path, fp8_checkpoint):
+    tr = _trainer(tmp_path, "run", "--train.steps=2", "--model.freeze_ngram=true", "--model.ngram_storage=nf4",
+                  path=fp8_checkpoint)  # fmt: skip
+    assert type(_table(tr.model)).__name__ == "NF4NGramTable"
+    assert not any("ngram_embedding" in n for n, _ in tr.model.named_parameters())
+    history = tr.run()
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for m in history)
+
+
 def test_frozen_storage_options_are_validated(tmp_path):
     with pytest.raises(ConfigError, match=r"model: .*ngram_storage='mmap' keeps the tables frozen: set freeze_ngram"):
         load_run_config(None, ["--model.ngram_storage=mmap", "--model.path=x"])
     with pytest.raises(ConfigError, match=r"ngram_storage='stored' reads a checkpoint's tables: set model.path"):
         load_run_config(None, ["--model.ngram_storage=stored", "--model.freeze_ngram=true"])
+    with pytest.raises(ConfigError, match=r"ngram_storage='nf4' keeps the tables frozen"):
+        load_run_config(None, ["--model.ngram_storage=nf4", "--model.path=x"])

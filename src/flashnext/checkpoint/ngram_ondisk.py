@@ -206,6 +206,11 @@ def ondisk_table_entries(model: nn.Module, style: str, parts: int, directory: Pa
 
     out = []
     for name, table in model.named_modules():
+        if getattr(table, "source", None) is not None and hasattr(table, "fill"):  # ngram_storage="nf4"
+            raise CheckpointError(
+                f"cannot save {name}: an NF4 table is a lossy in-memory copy with no checkpoint layout; save from "
+                "the checkpoint it was quantised from (or load that one with another ngram_storage)"
+            )
         if not isinstance(table, OnDiskNGramTable):
             continue
         if any(s.file.resolve().parent == Path(directory).resolve() for s in table.shards):

@@ -13,10 +13,12 @@ Storage modes (`from_pretrained(..., ngram_storage=...)`), chosen per table befo
   loading (`rows.to(dtype) * scale.to(dtype)`, so never the whole table twice) - the trainable path;
 - `stored`: every table stays in its stored dtype (FP8 + scale, BF16, FP32), frozen, rows converted after the
   gather;
+- `nf4`: every table quantised to 4-bit codes + an fp16 scale per row while loading, shard by shard (lossy,
+  frozen, in memory only: `model/ngram_nf4.py`);
 - `mmap`: the rows stay in the checkpoint files; each lookup reads only its rows (with `pread`; a memory map
   would creep toward the whole table in RSS), and a row cache of at most `resident_mb` MiB keeps hot rows
   (`checkpoint/ngram_ondisk.py`).
-All four give the same looked-up values for the same checkpoint (bitwise: same rows, same conversion).
+All but `nf4` give the same looked-up values for the same checkpoint (bitwise: same rows, same conversion).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import TORCH_DTYPES, checkpoint_files, read_headers
 from flashnext.errors import CheckpointError
 
-STORAGES = ("auto", "dense", "stored", "mmap")
+STORAGES = ("auto", "dense", "stored", "mmap", "nf4")
 FP8 = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 NGRAM_SCALE = re.compile(r"^(?P<pre>.+\.ple_embedding\.ngram_embedding)\.weight_scale$")
@@ -160,14 +162,17 @@ def prepare_ngram_storage(
     for our_key, ngram in ngram_tables(model):
         table, problems = inspect_table(our_key, style, headers)
         rows, width = ngram.ngram_embedding.weight.shape
+        if storage in ("mmap", "nf4"):  # tables the loader never reads: their problems are raised here
+            if table is None:
+                raise CheckpointError(f"ngram_storage={storage!r}: no n-gram table rows of {our_key} in {str(path)!r}")
+            if problems:
+                raise CheckpointError(f"ngram_storage={storage!r}: cannot read {our_key} from {str(path)!r}", problems)
         if storage == "mmap":
             from flashnext.checkpoint.ngram_ondisk import OnDiskNGramTable
 
-            if table is None:
-                raise CheckpointError(f"cannot serve {our_key} from disk: no n-gram table shards in {str(path)!r}")
-            if problems:
-                raise CheckpointError(f"cannot serve {our_key} from the files of {str(path)!r}", problems)
             ngram.ngram_embedding = OnDiskNGramTable(table, rows, width, dtype=dtype, resident_mb=resident_mb)
+        elif storage == "nf4":
+            ngram.ngram_embedding = _nf4_table(table, rows, width, dtype)
         elif table is not None and not problems and (storage == "stored" or table.dtype == FP8):
             if table.dtype not in TORCH_DTYPES or any(s[0] in lost for s in table.shards):
                 continue  # unreadable: the loader reports it
@@ -177,3 +182,45 @@ def prepare_ngram_storage(
                 scale_dtype=TORCH_DTYPES[scale[3]] if scale else None, scale_shape=scale[2] if scale else (),
                 device="meta",
             )  # fmt: skip
+
+
+def _nf4_table(table: TableOnDisk, rows: int, width: int, dtype: torch.dtype) -> nn.Module:
+    """An `NF4NGramTable` on `meta`, filled after allocation by `fill_quantized_tables` from `table`'s files."""
+    from flashnext.model.ngram_nf4 import NF4NGramTable
+
+    if table.rows != rows or any(len(s[2]) != 2 or s[2][1] != width for s in table.shards):
+        raise CheckpointError(
+            f"ngram_storage='nf4': {table.disk_pre} holds {table.rows} rows, expected [{rows}, {width}]"
+        )
+    module = NF4NGramTable(rows, width, dtype=dtype, device="meta")
+    module.source = table
+    module.disk_keys = frozenset([s[0] for s in table.shards] + ([table.scale[0]] if table.scale else []))
+    return module
+
+
+@torch.no_grad()
+def fill_quantized_tables(model: nn.Module) -> None:
+    """Quantise the stored rows of every NF4 table (`ngram_storage="nf4"`) into it, a 1 MiB piece at a time.
+
+    FP8 rows are dequantised with their scale first (`dequantize_rows` to fp32), other dtypes cast to fp32.
+    """
+    from flashnext.checkpoint.files import data_offsets
+    from flashnext.checkpoint.quantize import row_chunks
+    from flashnext.model.ngram_table import dequantize_rows
+
+    for module in model.modules():
+        table = getattr(module, "source", None)
+        if not isinstance(table, TableOnDisk) or not hasattr(module, "fill"):
+            continue
+        scale = None
+        if table.scale is not None:
+            from safetensors import safe_open
+
+            with safe_open(table.scale[1], framework="pt") as f:
+                scale = f.get_tensor(table.scale[0])
+        start = 0
+        for key, file, _, _ in table.shards:
+            base, header = data_offsets(file)
+            for rows in row_chunks(file, base, header[key]):
+                module.fill(start, dequantize_rows(rows, scale, torch.float32))
+                start += rows.shape[0]

@@ -8,7 +8,7 @@ import torch
 
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB
-from flashnext.checkpoint.ngram_tables import prepare_ngram_storage
+from flashnext.checkpoint.ngram_tables import fill_quantized_tables, prepare_ngram_storage
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError
 
@@ -36,7 +36,8 @@ def from_pretrained(
         ngram_storage: how the PLE n-gram tables are held (`flashnext.checkpoint.ngram_tables`): `auto` (FP8
             tables stay FP8 and frozen, others are trainable `nn.Embedding`s in `dtype`), `dense` (all in `dtype`,
             FP8 upcast shard by shard), `stored` (all frozen in their stored dtype) or `mmap` (rows read from the
-            files on lookup, `checkpoint/ngram_ondisk.py`).
+            files on lookup, `checkpoint/ngram_ondisk.py`) or `nf4` (4-bit rows quantised at load, lossy,
+            `model/ngram_nf4.py`).
         ngram_resident_mb: with `mmap`, MiB of recently read rows cached in memory per table (0: none).
 
     Returns:
@@ -70,4 +71,5 @@ def from_pretrained(
                 e.problems,
             ) from None
         raise
+    fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
     return model.eval()

@@ -44,8 +44,8 @@ def _raw_chunks(file: Path, begin: int, end: int, step: int) -> Iterator[bytearr
             yield piece
 
 
-def _row_chunks(file: Path, base: int, info: dict) -> Iterator[torch.Tensor]:
-    """A 2-D tensor's rows in pieces of about `CHUNK_BYTES`, as tensors of its dtype."""
+def row_chunks(file: Path, base: int, info: dict) -> Iterator[torch.Tensor]:
+    """A 2-D tensor's rows in pieces of about `PIECE_BYTES`, as tensors of its dtype (`info`: its header entry)."""
     rows, width = info["shape"]
     row_bytes = width * ITEM_BYTES[info["dtype"]]
     begin, end = info["data_offsets"]
@@ -71,7 +71,7 @@ def _amax(headers: dict, shards: list[tuple[Path, str]]) -> float:
         info = header[key]
         if info["dtype"] not in _SOURCE_DTYPES:
             raise CheckpointError(f"cannot quantize {key}: it is {info['dtype']}, expected one of {_SOURCE_DTYPES}")
-        for rows in _row_chunks(file, base, info):
+        for rows in row_chunks(file, base, info):
             if rows.numel():
                 amax = max(amax, float(rows.float().abs().max()))
     return amax
@@ -125,4 +125,4 @@ def _entry(file: Path, base: int, key: str, info: dict, scale: float | None) -> 
     if scale is None:
         begin, end = info["data_offsets"]
         return Entry(key, info["dtype"], shape, lambda: _raw_chunks(file, base + begin, base + end, PIECE_BYTES))
-    return Entry(key, "F8_E4M3", shape, lambda: (quantize_fp8(r, scale) for r in _row_chunks(file, base, info)))
+    return Entry(key, "F8_E4M3", shape, lambda: (quantize_fp8(r, scale) for r in row_chunks(file, base, info)))

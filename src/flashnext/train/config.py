@@ -44,10 +44,10 @@ class ModelSection(BaseModel):
     freeze_ngram: bool = False
     """Freeze the PLE n-gram tables (the RL recipe's choice): no gradient, no optimizer state, and from a checkpoint
     kept in their stored dtype (FP8 + scale, BF16, ...) or read from the files (`ngram_storage = "mmap"`)."""
-    ngram_storage: Literal["auto", "dense", "stored", "mmap"] = "auto"
+    ngram_storage: Literal["auto", "dense", "stored", "mmap", "nf4"] = "auto"
     """How a checkpoint's n-gram tables are held (`from_pretrained`): `auto` is `stored` when frozen, else `dense`
-    (trainable, in `dtype`; FP8 tables are upcast one shard at a time while loading); `stored` and `mmap` need
-    `freeze_ngram`."""
+    (trainable, in `dtype`; FP8 tables are upcast one shard at a time while loading); `stored`, `mmap` and `nf4`
+    (4-bit rows quantised at load, lossy) need `freeze_ngram`."""
     ngram_resident_mb: float = Field(256, ge=0)
     """With `ngram_storage = "mmap"`: MiB of n-gram rows cached in memory per table."""
 
@@ -55,9 +55,9 @@ class ModelSection(BaseModel):
     def _no_overrides_with_path(self) -> ModelSection:
         if self.path is not None and self.overrides:
             raise ValueError("overrides apply to a randomly initialised model; they cannot change a checkpoint")
-        if self.ngram_storage in ("stored", "mmap") and not self.freeze_ngram:
+        if self.ngram_storage in ("stored", "mmap", "nf4") and not self.freeze_ngram:
             raise ValueError(f"ngram_storage={self.ngram_storage!r} keeps the tables frozen: set freeze_ngram = true")
-        if self.ngram_storage in ("stored", "mmap") and self.path is None:
+        if self.ngram_storage in ("stored", "mmap", "nf4") and self.path is None:
             raise ValueError(f"ngram_storage={self.ngram_storage!r} reads a checkpoint's tables: set model.path")
         return self
 
