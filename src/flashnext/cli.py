@@ -1,12 +1,15 @@
 """`flashnext` command line.
 
-Subcommands:
-    demo (the default): build the embedded tiny model, save it in the official layout, reload it, run a packed
-        and a padded forward, print shapes and timings, and check the reloaded model computes the same logits.
+Subcommands (`flashnext` alone prints the help; an unknown one is an error with a did-you-mean):
+    demo: build the embedded tiny model, save it in the official layout, reload it, run a packed and a padded
+        forward, print shapes and timings, and check the reloaded model computes the same logits.
 
     flops: forward FLOPs of one packed batch per component (analytic; `--measure` adds torch's count on meta).
 
-    train: `flashnext train --config run.toml [--section.field=value ...]` (see `flashnext.train.trainer`).
+    train: `flashnext train --config run.toml [--section.field=value ...]` (its own parser:
+        `flashnext.train.command`).
+
+    plot: PNG curves of a run's `metrics.jsonl` (`flashnext.train.plot`; needs the `plot` extra).
 
     convert: a training checkpoint -> the official Hugging Face layout.
 
@@ -442,37 +445,88 @@ def run_quantize(args: argparse.Namespace) -> None:
     print(f"wrote {args.dst} in {time.perf_counter() - start:.1f}s ({len(scales)} table(s) in FP8)")
 
 
+def _add_plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's out_dir (holding metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
+
+
+def run_plot(args: argparse.Namespace) -> None:
+    from flashnext.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(f"wrote {path}")
+
+
+def _no_args(p: argparse.ArgumentParser) -> None:
+    """`train` parses its own arguments (`--section.field=value` overrides); argparse only lists it."""
+
+
+def _run_train(argv: list[str]) -> int:
+    from flashnext.train.command import main as train_main
+
+    return train_main(argv)
+
+
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
-    "demo": ("build, save, reload and run the embedded tiny model", _add_demo_args, run_demo),
-    "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
-    "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
     "serve": ("OpenAI-compatible HTTP server (default: the tiny model)", _add_serve_args, run_serve),
     "generate": ("generate from one prompt (default: the tiny model)", _add_generate_args, run_generate),
+    "train": ("train on packed sequences from a TOML run config (flashnext train --help)", _no_args, _run_train),
+    "plot": ("PNG curves (loss, eval loss, lr, tokens/s, ...) of a run's metrics.jsonl", _add_plot_args, run_plot),
+    "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
+    "demo": ("build, save, reload and run the embedded tiny model (self-checks)", _add_demo_args, run_demo),
+    "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
     "quantize": ("write a checkpoint with FP8 n-gram tables", _add_quantize_args, run_quantize),
 }
+_RAW_ARGV = {"train"}  # commands handed their arguments unparsed
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashnext")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashnext",
-        description="Train and serve Qwen3.8-Flash-Next exactly, on packed token streams. "
-        "Without a subcommand, runs `demo`.",
+        description="Train and serve Qwen3.8-Flash-Next exactly, on packed token streams.",
+        epilog="Try `flashnext demo` (build, save, reload and run the tiny model) or `flashnext serve`. "
+        "`flashnext COMMAND --help` describes a command.",
     )
+    parser.add_argument("--version", action="version", version=f"flashnext {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_args, _) in _COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text, description=help_text))
+        add_args(sub.add_parser(name, help=help_text, description=help_text, add_help=name not in _RAW_ARGV))
     return parser
+
+
+def _unknown_command(word: str) -> str:
+    """The error for `flashnext WORD` when WORD is no command (a did-you-mean when one is close)."""
+    import difflib
+
+    close = difflib.get_close_matches(word, _COMMANDS, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    if word.startswith("-") and not close:
+        hint = f"; options follow a command, e.g. `flashnext demo {word}`"
+    return f"flashnext: error: unknown command {word!r}{hint} (commands: {', '.join(_COMMANDS)})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # its own parser: --section.field=value overrides of the run config
-        from flashnext.train.trainer import main as train_main
-
-        return train_main(argv[1:])
-    if not argv or (argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help")):
-        argv = ["demo", *argv]  # demo is the default subcommand, its flags may follow directly
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
+    if argv[0] in _RAW_ARGV:
+        return _COMMANDS[argv[0]][2](argv[1:])
+    if argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help", "--version"):
+        print(parser.format_usage().rstrip(), file=sys.stderr)
+        print(_unknown_command(argv[0]), file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if getattr(args, "seq_len", 1) < 1 or getattr(args, "repeats", 1) < 1:
         print("flashnext: error: --seq-len and --repeats must be >= 1", file=sys.stderr)
         return 2

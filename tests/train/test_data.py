@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flashnext.errors import InputError
-from flashnext.train.data import IGNORE, Example, load_jsonl, parse_record
+from flashnext.train.data import IGNORE, Example, ModelLimits, load_jsonl, parse_record
 
 
 class ByteTokenizer:
@@ -115,3 +115,54 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
         load_jsonl(_write(tmp_path, [{"prompt": "a", "completion": "b"}]))
     with pytest.raises(InputError, match=r"need a tokenizer with `apply_chat_template`"):
         load_jsonl(_write(tmp_path, [{"messages": [{"role": "user", "content": "a"}]}]), ByteTokenizer())
+
+
+# ---- ids checked against the model at load time, invalid bytes: file:line and the field -------------------
+LIMITS = ModelLimits(vocab_size=64, num_layers=2, num_experts=4, top_k=2)
+ROUTE = [[0, 1], [2, 3]]  # one token: [layers][top_k]
+
+
+def _rl(n, routed):
+    return {"input_ids": list(range(5, 5 + n)), "advantages": 1.0, "inference_logprobs": [0.0] * n, **routed}
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ({"input_ids": [5, 64, 7]}, r"'input_ids' has id 64 at position 1 >= the model's vocab_size=64"),
+        ({"input_ids": [5, 6], "labels": [-100, 99]}, r"'labels' has 99 at position 1; expected -100 \(no loss\)"),
+        ({"input_ids": [5, 6], "labels": [-1, 6]}, r"'labels' has -1 at position 0"),
+        ({"input_ids": [5, -2]}, r"'input_ids' has a negative id -2"),
+        (_rl(2, {"routed_experts": [ROUTE, [[0, 1], [2, 4]]]}), r"'routed_experts' token 1 layer 1 has expert id 4"),
+        (_rl(1, {"routed_experts": [[[0, -1], [2, 3]]]}), r"'routed_experts' token 0 layer 0 has expert id -1"),
+        (_rl(1, {"routed_experts": [[[0, 1]]]}), r"'routed_experts' token 0 has 1 layer rows; .*num_hidden_layers=2"),
+        (_rl(1, {"routed_experts": [[[0], [1]]]}), r"'routed_experts' token 0 layer 0 has 1 experts; .*=2"),
+        (_rl(2, {"routed_experts": [ROUTE]}), r"'routed_experts' must be \[2 tokens\]\[moe layers\]\[top_k\]"),
+        (_rl(1, {"routed_experts": [[[0, 1.5], [2, 3]]]}), r"'routed_experts' must be \[1 tokens\]"),
+    ],
+    ids=["id>=vocab", "label>=vocab", "label<0", "id<0", "expert>=E", "expert<0", "layers", "top_k", "tokens", "float"],
+)
+def test_ids_outside_the_model_are_refused_at_load_naming_file_line_and_field(tmp_path, line, problem):
+    path = _write(tmp_path, [{"input_ids": [1, 2]}, _rl(1, {"routed_experts": [ROUTE]}), line])
+    with pytest.raises(InputError, match=rf"data\.jsonl:3: {problem}"):
+        load_jsonl(path, limits=LIMITS)
+
+
+def test_ids_inside_the_model_load_and_without_limits_only_the_types_are_checked(tmp_path):
+    path = _write(tmp_path, [{"input_ids": [0, 63], "labels": [-100, 63]}, _rl(1, {"routed_experts": [ROUTE]})])
+    plain, rl = load_jsonl(path, limits=LIMITS)
+    assert plain == Example([0, 63], [-100, 63]) and rl.routed_experts == [ROUTE]
+    assert load_jsonl(_write(tmp_path, [{"input_ids": [500]}]))[0].input_ids == [500]  # no model to check against
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"input_ids": [1]}\n\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    with pytest.raises(InputError, match=r"data\.jsonl:3: invalid UTF-8 \(byte 0xe9 at byte 16 of the line\)"):
+        load_jsonl(path, ByteTokenizer())
+
+
+def test_a_utf8_bom_is_not_an_error(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n')
+    assert load_jsonl(path) == [Example([1, 2], [1, 2])]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -9,10 +10,11 @@ import torch
 import flashnext
 from flashnext.errors import CheckpointError, ConfigError
 from flashnext.train import state_io
+from flashnext.train.command import main
 from flashnext.train.config import load_run_config, parse_override, toml_literal
 from flashnext.train.loss import count_label_tokens, sft_loss
 from flashnext.train.packing import collate
-from flashnext.train.trainer import Trainer, main
+from flashnext.train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -64,7 +66,7 @@ def test_run_config_file_overrides_and_errors(tmp_path):
 
     with pytest.raises(ConfigError, match=r"train\.stepz: unknown key"):
         load_run_config(None, ["--train.stepz=3"])
-    with pytest.raises(ConfigError, match=r"train\.steps: .*greater than or equal to 0.*-1"):
+    with pytest.raises(ConfigError, match=r"train\.steps: .*greater than or equal to 1.*-1"):
         load_run_config(None, ["--train.steps=-1"])
     with pytest.raises(ConfigError, match=r"optim\.lr.*'fast'"):
         load_run_config(None, ["--optim.lr=fast"])
@@ -76,6 +78,38 @@ def test_run_config_file_overrides_and_errors(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_run_config(bad)
+
+
+@pytest.mark.parametrize(
+    "toml, overrides, expected",
+    [
+        # the shipped config's warmup (file) against a step count from the command line: both fields, both origins
+        ("[optim]\nwarmup_steps = 5\n", ["--train.steps=4"],
+         r"optim\.warmup_steps=5 exceeds train\.steps=4, the length of the lr schedule.*"
+         r"\(optim\.warmup_steps from RUN; train\.steps from --train\.steps=4 on the command line\)"),
+        ("[train]\nsteps = 4\n", ["--optim.warmup_steps=5"],
+         r"optim\.warmup_steps from --optim\.warmup_steps=5 on the command line; train\.steps from RUN\)"),
+        ("", ["--optim.warmup_steps=101"], r"train\.steps the default\)"),
+        ("[optim]\ntotal_steps = 3\nwarmup_steps = 4\n", [],
+         r"optim: warmup_steps=4 exceeds total_steps=3 \(optim\.warmup_steps from RUN; optim\.total_steps from RUN\)"),
+        ("", ["--train.steps=0"], r"train\.steps: Input should be greater than or equal to 1 \(got 0, from "
+         r"--train\.steps=0 on the command line\)"),
+        ("[train]\nsteps = 0\n", [], r"train\.steps: .*greater than or equal to 1 \(got 0, from RUN\)"),
+        ("[train]\nstepz = 3\n", [], r"train\.stepz: unknown key \(from RUN\)"),
+        ("", ['--train={steps = "x"}'], r"train\.steps: .*\(got 'x', from --train=\{steps = \"x\"\} on the command"),
+        ("[train]\neval_every = 5\n", [], r"train\.eval_every=5 needs a held-out split.*train\.eval_every from RUN; "
+         r"data\.eval_fraction the default"),
+        ("", ["--data.eval_fraction=0.1", "--data.eval_path=x.jsonl"], r"data: give one held-out split"),
+        ("", ["--train.overwrite=true", "--checkpoint.resume=latest"], r"train\.overwrite=true deletes the"),
+    ],
+    ids=["warmup-cli-steps", "warmup-cli-warmup", "warmup-default", "total", "steps0-cli", "steps0-file", "unknown",
+         "section-override", "eval-every", "two-evals", "overwrite-resume"],
+)  # fmt: skip
+def test_config_errors_name_the_fields_and_where_their_values_came_from(tmp_path, toml, overrides, expected):
+    run = tmp_path / "run.toml"
+    run.write_text(toml)
+    with pytest.raises(ConfigError, match=expected.replace("RUN", re.escape(str(run)))):
+        load_run_config(run, overrides)
 
 
 def test_every_config_field_is_documented():
@@ -145,7 +179,7 @@ def test_loss_falls_and_export_loads(small_config, tmp_path):
 
 def test_micro_batch_split_gives_the_same_loss_and_gradients(small_config, tmp_path):
     data = _write_pretokenized(tmp_path / "d.jsonl", n=6)
-    tr = Trainer(_config(small_config, tmp_path, data, "--train.steps=0"))
+    tr = Trainer(_config(small_config, tmp_path, data, "--train.steps=1"))
     examples = tr.loader.examples
     model = tr.model
 
@@ -170,8 +204,8 @@ def test_micro_batch_split_gives_the_same_loss_and_gradients(small_config, tmp_p
 
 def test_router_replay_of_the_routers_own_choice_equals_normal_routing(small_config, tmp_path):
     data = _write_pretokenized(tmp_path / "d.jsonl", n=4)
-    model = Trainer(_config(small_config, tmp_path, data, "--train.steps=0")).model
-    b = collate(Trainer(_config(small_config, tmp_path, data, "--train.steps=0")).loader.examples)
+    model = Trainer(_config(small_config, tmp_path, data, "--train.steps=1")).model
+    b = collate(Trainer(_config(small_config, tmp_path, data, "--train.steps=1")).loader.examples)
     free = model(b.input_ids, cu_seqlens=b.cu_seqlens)
     free.logits.square().mean().backward()
     g_free = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -189,7 +223,7 @@ def test_router_replay_of_the_routers_own_choice_equals_normal_routing(small_con
 def test_rl_step_with_the_models_own_logprobs_has_no_mismatch(small_config, tmp_path):
     """RL records carrying the model's own log-probs and routing: ratio 1, nothing masked, replay applied."""
     sft_data = _write_pretokenized(tmp_path / "d.jsonl", n=6)
-    model = Trainer(_config(small_config, tmp_path, sft_data, "--train.steps=0")).model
+    model = Trainer(_config(small_config, tmp_path, sft_data, "--train.steps=1")).model
     rl_data = tmp_path / "rl.jsonl"
     with open(sft_data) as f, open(rl_data, "w") as out, torch.no_grad():
         for i, line in enumerate(f):

@@ -11,6 +11,7 @@ tensors and nothing extra otherwise.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -94,6 +95,25 @@ def _config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return out
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`safetensors.torch.save_file` with the permissions `open()` gives a new file (0666 less the umask):
+    safetensors creates its file 0600, which would make the weights the one file of a checkpoint other users
+    (or a serving account) cannot read."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Linux reports it in /proc without changing it; os.umask can only read by setting (briefly, for every thread).
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
 def _remove_stale(directory: Path, keep: set[str]) -> None:
     for f in [*directory.glob("model*.safetensors"), directory / INDEX_FILE]:
         if f.is_file() and f.name not in keep:
@@ -134,7 +154,7 @@ def save_pretrained(
     )
     for name, group in zip(names, files, strict=True):
         tensors = {k: t if t.is_contiguous() else t.contiguous() for k, t in group}
-        save_file(tensors, directory / name, metadata={"format": "pt"})
+        write_safetensors(tensors, directory / name)
         del tensors
     if len(files) > 1:
         total = sum(t.numel() * t.element_size() for _, t in entries)

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE
 from flashnext.checkpoint.load import HEAD, ties_embeddings
-from flashnext.checkpoint.save import _config_dict, model_config_of
+from flashnext.checkpoint.save import _config_dict, model_config_of, write_safetensors
 from flashnext.config import ModelConfig
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
@@ -161,7 +160,7 @@ def export_pretrained(model: nn.Module, directory: str | Path, *, config: ModelC
                     if main:
                         out[key] = t.detach().contiguous().cpu()
         if out:
-            save_file(out, directory / fname, metadata={"format": "pt"})
+            write_safetensors(out, directory / fname)
             written.append(directory / fname)
     if main:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

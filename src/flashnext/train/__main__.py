@@ -2,6 +2,6 @@
 
 import sys
 
-from flashnext.train.trainer import main
+from flashnext.train.command import main
 
 sys.exit(main())

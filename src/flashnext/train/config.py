@@ -4,11 +4,13 @@ A run config is a TOML file whose tables are the sections below (`[model]`, `[da
 `[train]`, `[checkpoint]`, `[log]`); every field has a default, so an empty file trains the embedded tiny model
 on the bundled corpus. `--section.field=value` on the command line overrides a field; the value is read as a TOML
 literal (`--train.steps=20`, `--optim.betas=[0.9,0.99]`, `--model.path="ckpt"`) and falls back to a plain string
-(`--model.path=ckpt`). Unknown keys and bad values raise one `ConfigError` naming every offending field.
+(`--model.path=ckpt`). Unknown keys and bad values raise one `ConfigError` naming every offending field and where
+its value came from (the command-line override, the TOML file, or the default).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import tomllib
 from pathlib import Path
@@ -21,6 +23,15 @@ from flashnext.train.loss import RLLossConfig
 from flashnext.train.optim import OptimConfig
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class FieldsError(ValueError):
+    """A validator's verdict on a combination of fields; `fields` are their dotted names relative to the model
+    validated, so the run config's error can say where each value came from."""
+
+    def __init__(self, message: str, fields: tuple[str, ...]):
+        super().__init__(message)
+        self.fields = fields
 
 
 class ModelSection(BaseModel):
@@ -54,11 +65,21 @@ class ModelSection(BaseModel):
     @model_validator(mode="after")
     def _no_overrides_with_path(self) -> ModelSection:
         if self.path is not None and self.overrides:
-            raise ValueError("overrides apply to a randomly initialised model; they cannot change a checkpoint")
-        if self.ngram_storage in ("stored", "mmap", "nf4") and not self.freeze_ngram:
-            raise ValueError(f"ngram_storage={self.ngram_storage!r} keeps the tables frozen: set freeze_ngram = true")
-        if self.ngram_storage in ("stored", "mmap", "nf4") and self.path is None:
-            raise ValueError(f"ngram_storage={self.ngram_storage!r} reads a checkpoint's tables: set model.path")
+            raise FieldsError(
+                "overrides apply to a randomly initialised model; they cannot change the checkpoint at path",
+                ("overrides", "path"),
+            )
+        frozen_only = ("stored", "mmap", "nf4")
+        if self.ngram_storage in frozen_only and not self.freeze_ngram:
+            raise FieldsError(
+                f"ngram_storage={self.ngram_storage!r} keeps the tables frozen: set freeze_ngram = true",
+                ("ngram_storage", "freeze_ngram"),
+            )
+        if self.ngram_storage in frozen_only and self.path is None:
+            raise FieldsError(
+                f"ngram_storage={self.ngram_storage!r} reads a checkpoint's tables: set model.path",
+                ("ngram_storage", "path"),
+            )
         return self
 
 
@@ -81,6 +102,19 @@ class DataSection(BaseModel):
     """Cut examples longer than `token_budget` (with a warning) instead of failing."""
     add_eos: bool = True
     """Append the tokenizer's EOS to prompt/completion examples."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hold out this fraction of `path`'s examples (at least one; a fixed split drawn from `seed`) for the eval
+    loss; 0: no held-out split from `path`."""
+    eval_path: str | None = None
+    """A separate JSONL file of held-out examples for the eval loss (instead of `eval_fraction`)."""
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataSection:
+        if self.eval_fraction and self.eval_path is not None:
+            raise FieldsError(
+                "give one held-out split: eval_fraction or eval_path, not both", ("eval_fraction", "eval_path")
+            )
+        return self
 
 
 class TrainSection(BaseModel):
@@ -88,8 +122,8 @@ class TrainSection(BaseModel):
 
     model_config = _STRICT
 
-    steps: int = Field(100, ge=0)
-    """Optimizer steps to run (in total, counting the steps of a resumed checkpoint)."""
+    steps: int = Field(100, ge=1)
+    """Optimizer steps to run (in total, counting the steps of a resumed checkpoint); at least 1."""
     loss: Literal["sft", "rl"] = "sft"
     """`sft`: cross-entropy on label tokens; `rl`: the importance-weighted policy loss (needs RL data)."""
     activation_checkpointing: bool = False
@@ -102,6 +136,12 @@ class TrainSection(BaseModel):
     """CPU threads for torch (0: torch's default)."""
     seed: int = 0
     """Seed of torch's global RNG (nothing in a step draws from it today; kept for exact resume)."""
+    eval_every: int = Field(0, ge=0)
+    """Compute the held-out loss (`eval_loss`; needs `data.eval_fraction` or `data.eval_path`) every N steps and
+    after the last; 0: after the last step only."""
+    overwrite: bool = False
+    """Start over in an `out_dir` that holds a previous run: delete its `metrics.jsonl`, `checkpoints/`,
+    `final/` and `plots/` first (without it, and without `--resume`, such an `out_dir` is refused)."""
 
 
 class CheckpointSection(BaseModel):
@@ -153,8 +193,26 @@ class RunConfig(BaseModel):
     def _schedule_length(self) -> RunConfig:
         # The lr schedule spans the run unless `optim.total_steps` is given explicitly.
         if "total_steps" not in self.optim.model_fields_set:
+            if self.optim.warmup_steps > self.train.steps:
+                raise FieldsError(
+                    f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={self.train.steps}, the "
+                    "length of the lr schedule; lower optim.warmup_steps, raise train.steps, or set optim.total_steps",
+                    ("optim.warmup_steps", "train.steps"),
+                )
             fields = self.optim.model_dump(exclude={"total_steps"})
-            self.optim = OptimConfig.model_validate({**fields, "total_steps": max(1, self.train.steps)})
+            self.optim = OptimConfig.model_validate({**fields, "total_steps": self.train.steps})
+        if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_path is not None):
+            raise FieldsError(
+                f"train.eval_every={self.train.eval_every} needs a held-out split: set data.eval_fraction or "
+                "data.eval_path",
+                ("train.eval_every", "data.eval_fraction", "data.eval_path"),
+            )
+        if self.checkpoint.resume == "latest" and self.train.overwrite:
+            raise FieldsError(
+                "train.overwrite=true deletes the checkpoints that checkpoint.resume='latest' would continue from; "
+                "give one of them",
+                ("train.overwrite", "checkpoint.resume"),
+            )
         return self
 
 
@@ -197,33 +255,70 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def run_config_from_dict(data: dict[str, Any], source: str = "run config") -> RunConfig:
-    """Validate a nested dict; every problem is reported in one `ConfigError` as `section.field: message`."""
+class Origins:
+    """Where each value of a run config came from: a command-line override, the TOML file, or the default.
+
+    Args:
+        file: the TOML file's path (None: no file).
+        file_data: the file's parsed tables (before overrides are applied).
+        overrides: the `--section.field=value` arguments, in order (a later one wins).
+    """
+
+    def __init__(self, file: str | None = None, file_data: dict | None = None, overrides: list[str] | None = None):
+        self.file, self.file_data, self.overrides = file, file_data or {}, list(overrides or [])
+
+    def of(self, loc: tuple) -> str:
+        """Where the value at `loc` (e.g. `("train", "steps")`) came from, as a phrase."""
+        loc = tuple(str(p) for p in loc)
+        for arg in reversed(self.overrides):
+            keys = tuple(parse_override(arg)[0])
+            n = min(len(keys), len(loc))
+            if keys[:n] == loc[:n]:  # the override set this value, a section holding it, or a field inside it
+                return f"from {arg} on the command line"
+        node: Any = self.file_data
+        for key in loc:
+            if not isinstance(node, dict) or key not in node:
+                return "the default"
+            node = node[key]
+        return f"from {self.file}"
+
+
+def run_config_from_dict(data: dict[str, Any], origins: Origins | str | None = None) -> RunConfig:
+    """Validate a nested dict; every problem is reported in one `ConfigError` as `section.field: message (got
+    value, from where)`, a problem with a combination of fields naming where each of them came from."""
+    origins = origins if isinstance(origins, Origins) else Origins(file=origins, file_data=data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            if err["type"] == "extra_forbidden":
-                lines.append(f"{where}: unknown key")
-            else:
-                lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+        lines = [_problem(err, origins) for err in e.errors()]
+        raise ConfigError("invalid run config: " + "; ".join(lines)) from None
+
+
+def _problem(err: dict, origins: Origins) -> str:
+    loc = tuple(err["loc"])
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldsError):  # a rule over several fields: name where each one came from
+        fields = [tuple(str(p) for p in loc) + tuple(f.split(".")) for f in cause.fields]
+        sources = "; ".join(f"{'.'.join(f)} {origins.of(f)}" for f in fields)
+        prefix = f"{where}: " if loc else ""
+        return f"{prefix}{cause} ({sources})"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key ({origins.of(loc)})"
+    return f"{where}: {err['msg']} (got {err.get('input')!r}, {origins.of(loc)})"
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML run config (None: all defaults) and apply command-line overrides."""
     data: dict[str, Any] = {}
-    source = "defaults"
     if path is not None:
         path = Path(path)
-        source = str(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"run config {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    origins = Origins(None if path is None else str(path), copy.deepcopy(data), overrides)
     apply_overrides(data, list(overrides or []))
-    return run_config_from_dict(data, source)
+    return run_config_from_dict(data, origins)

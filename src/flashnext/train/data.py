@@ -19,7 +19,10 @@ Each non-blank line is one JSON object of one of three kinds, detected from its 
 
 Labels are not shifted: `labels[t]` is token t where it carries loss, -100 elsewhere; the loss
 (`batch.next_token_targets`) makes token t predict `labels[t + 1]`.
-Malformed lines raise `InputError` naming the file, the line number and the problem.
+Malformed lines raise `InputError` naming the file, the line number and the problem: invalid UTF-8 or JSON, a
+wrong type or length, and (given the model's `ModelLimits`) an id outside the vocabulary or a `routed_experts`
+entry outside the model's experts/layers/top-k. Every line is checked at load time, so a bad id deep in a large
+file stops the run before its first step instead of when its micro-batch trains.
 """
 
 from __future__ import annotations
@@ -40,6 +43,28 @@ class Tokenizer(Protocol):
     """What the loader needs of a tokenizer (Hugging Face tokenizers qualify)."""
 
     def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the ids of a record must fit: the model's vocabulary and the shape of its MoE routing.
+
+    Attributes:
+        vocab_size: ids (`input_ids`, `labels` other than -100) must be in `[0, vocab_size)`.
+        num_layers: `routed_experts` has one row per decoder layer (every layer is MoE).
+        num_experts: expert ids must be in `[0, num_experts)`.
+        top_k: experts per token and layer (`num_experts_per_tok`).
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, cfg: Any) -> ModelLimits:
+        """The limits of a `TextConfig`."""
+        return cls(cfg.vocab_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok)
 
 
 @dataclass(frozen=True)
@@ -75,29 +100,39 @@ class Example:
         )
 
 
-def load_jsonl(path: str | Path, tokenizer: Any = None, add_eos: bool = True) -> list[Example]:
+def load_jsonl(
+    path: str | Path, tokenizer: Any = None, add_eos: bool = True, limits: ModelLimits | None = None
+) -> list[Example]:
     """Read a JSONL dataset (see the module docstring for the three line kinds).
 
     Args:
-        path: the `.jsonl` file; blank lines are skipped.
+        path: the `.jsonl` file (UTF-8, an optional BOM); blank lines are skipped.
         tokenizer: object with `encode(text) -> list[int]` (prompt/completion) and
             `apply_chat_template(messages, tokenize=True, ...)` (messages); not needed for pre-tokenized lines.
         add_eos: append `tokenizer.eos_token_id` (when not None) to completions.
+        limits: the model's vocabulary and routing shape; every id of every line is checked against them.
 
     Raises:
         InputError: `"<path>:<line>: <problem>"` for the first malformed line.
     """
     path = Path(path)
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its number
+        for lineno, raw in enumerate(f, start=1):
             try:
-                out.append(parse_record(_loads(line), tokenizer, add_eos))
+                line = _decode(raw, first=lineno == 1)
+                if line.strip():
+                    out.append(parse_record(_loads(line), tokenizer, add_eos, limits))
             except InputError as e:
                 raise InputError(f"{path}:{lineno}: {e}") from None
     return out
+
+
+def _decode(raw: bytes, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)") from None
 
 
 def _loads(line: str) -> Any:
@@ -107,8 +142,13 @@ def _loads(line: str) -> Any:
         raise InputError(f"invalid JSON ({e.msg} at column {e.colno})") from None
 
 
-def parse_record(record: Any, tokenizer: Any = None, add_eos: bool = True) -> Example:
-    """Turn one decoded JSON line into an `Example` (raises `InputError` without the file position)."""
+def parse_record(
+    record: Any, tokenizer: Any = None, add_eos: bool = True, limits: ModelLimits | None = None
+) -> Example:
+    """Turn one decoded JSON line into an `Example` (raises `InputError` without the file position).
+
+    With `limits`, every id (`input_ids`, `labels`, `routed_experts`) is checked against the model's.
+    """
     if not isinstance(record, Mapping):
         raise InputError(f"expected a JSON object, got {type(record).__name__}")
     keys = set(record)
@@ -122,7 +162,45 @@ def parse_record(record: Any, tokenizer: Any = None, add_eos: bool = True) -> Ex
         raise InputError(f"unknown record with keys {sorted(keys)}; expected one of {', '.join(KINDS)}")
     if not ex.input_ids:
         raise InputError("record has no tokens")
+    check_ids(ex, limits)
     return ex
+
+
+def check_ids(ex: Example, limits: ModelLimits | None) -> None:
+    """Raise `InputError` naming the field, position and value of the first id outside the model's limits
+    (labels are checked for stray negative values even without limits)."""
+    vocab = limits.vocab_size if limits else None
+    if vocab is not None and max(ex.input_ids) >= vocab:  # first: labels default to the ids
+        t = next(t for t, v in enumerate(ex.input_ids) if v >= vocab)
+        raise InputError(f"'input_ids' has id {ex.input_ids[t]} at position {t} >= the model's vocab_size={vocab}")
+    bad = [t for t, v in enumerate(ex.labels) if v != IGNORE and (v < 0 or (vocab is not None and v >= vocab))]
+    if bad:
+        t = bad[0]
+        bound = f"an id < the model's vocab_size={vocab}" if limits else "a non-negative id"
+        raise InputError(f"'labels' has {ex.labels[t]} at position {t}; expected {IGNORE} (no loss) or {bound}")
+    if limits is not None and ex.routed_experts is not None:
+        _check_routing(ex.routed_experts, limits)
+
+
+def _check_routing(routed: list, limits: ModelLimits) -> None:
+    L, k, E = limits.num_layers, limits.top_k, limits.num_experts
+    for t, token in enumerate(routed):
+        if len(token) != L:
+            raise InputError(
+                f"'routed_experts' token {t} has {len(token)} layer rows; the model has num_hidden_layers={L}"
+            )
+        for layer, experts in enumerate(token):
+            if len(experts) != k:
+                raise InputError(
+                    f"'routed_experts' token {t} layer {layer} has {len(experts)} experts; the model routes each "
+                    f"token to num_experts_per_tok={k}"
+                )
+            bad = [e for e in experts if not 0 <= e < E]
+            if bad:
+                raise InputError(
+                    f"'routed_experts' token {t} layer {layer} has expert id {bad[0]}; the model's experts are "
+                    f"0..{E - 1} (num_experts={E})"
+                )
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -166,8 +244,11 @@ def _rl_fields(record: Mapping, n: int) -> tuple[list[float], list[float], list 
     logprobs = _float_list(record["inference_logprobs"], "inference_logprobs", n)
     routed = record.get("routed_experts")
     if routed is not None:
+        is_int = lambda e: isinstance(e, int) and not isinstance(e, bool)
         ok = isinstance(routed, list) and len(routed) == n
-        ok = ok and all(isinstance(t, list) and all(isinstance(e, list) for e in t) for t in routed)
+        ok = ok and all(
+            isinstance(t, list) and all(isinstance(r, list) and all(map(is_int, r)) for r in t) for t in routed
+        )
         if not ok:
             raise InputError(f"'routed_experts' must be [{n} tokens][moe layers][top_k] integers")
     return advantages, logprobs, routed

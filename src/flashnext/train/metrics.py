@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashnext.errors import ConfigError
 
 
 class MetricsLogger:
@@ -36,7 +39,7 @@ class MetricsLogger:
             try:
                 import wandb as wandb_lib
             except ImportError:
-                raise ImportError(
+                raise ConfigError(
                     f"log.wandb_project={wandb!r} but wandb is not installed (pip install wandb)"
                 ) from None
             self.wandb = wandb_lib.init(project=wandb, resume="allow")
@@ -59,23 +62,35 @@ class MetricsLogger:
 
 
 class ProgressBar:
-    """tqdm bar over optimizer steps showing loss, lr and tokens/s (a no-op when disabled)."""
+    """tqdm bar over optimizer steps showing loss, the last eval loss, lr and tokens/s (a no-op when disabled)."""
 
     def __init__(self, total: int, initial: int, enabled: bool = True):
         self.bar = None
+        self.eval_loss: float | None = None
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def update(self, m: dict[str, Any]) -> None:
+        self.eval_loss = m.get("eval_loss", self.eval_loss)
         if self.bar is None:
             return
-        post = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}", "tok/s": f"{m['tokens_per_s']:,.0f}"}
+        post = {"loss": f"{m['loss']:.4f}"}
+        if self.eval_loss is not None:  # the latest held-out loss stays on the bar between evaluations
+            post["eval"] = f"{self.eval_loss:.4f}"
+        post.update({"lr": f"{m['lr']:.2e}", "tok/s": f"{m['tokens_per_s']:,.0f}"})
         if "mfu" in m:
             post["mfu"] = f"{m['mfu']:.1%}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
+
+    def write(self, line: str, say: Callable[[str], Any] = print) -> None:
+        """Print a line above the bar (tqdm redraws the bar below it); through `say` when there is no bar."""
+        if self.bar is None:
+            say(line)
+        else:
+            self.bar.write(line)
 
     def close(self) -> None:
         if self.bar is not None:

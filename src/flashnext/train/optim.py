@@ -79,7 +79,12 @@ class OptimConfig(BaseModel):
     @model_validator(mode="after")
     def _check_steps(self) -> OptimConfig:
         if self.warmup_steps > self.total_steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}")
+            from flashnext.train.config import FieldsError  # config imports this module
+
+            raise FieldsError(
+                f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}",
+                ("warmup_steps", "total_steps"),
+            )
         for i, b in enumerate(self.betas):
             if not 0 <= b < 1:
                 raise ValueError(f"betas[{i}]={b} must be in [0, 1)")

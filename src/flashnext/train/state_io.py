@@ -6,13 +6,16 @@ renamed into place (atomic on POSIX) and the parent directory fsynced; only then
 directory, which the next save removes. A checkpoint directory without `meta.json` is never listed.
 
 `state.pt` is a `torch.save` of plain containers of tensors and numbers (model, optimizers, schedulers, data
-position, RNG states), read back with `weights_only=True`.
+position, RNG states), read back with `weights_only=True`. A file that cannot be read (a truncated `state.pt`,
+a `meta.json` that is not JSON) raises `CheckpointError` naming it; the trainer then resumes from the previous
+checkpoint and sets the bad one aside (`set_aside`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -95,15 +98,62 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read the state of the checkpoint directory `path`."""
+    """Read the state of the checkpoint directory `path`.
+
+    Raises:
+        CheckpointError: a file is missing, or `state.pt` cannot be read (truncated, corrupt); names the file.
+    """
     path = Path(path)
     if not (path / META_FILE).exists() or not (path / STATE_FILE).exists():
         raise CheckpointError(f"{path} is not a complete training checkpoint (needs {STATE_FILE} and {META_FILE})")
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    return read_torch_file(path / STATE_FILE, weights_only=True)
+
+
+def read_torch_file(file: Path, weights_only: bool = True) -> Any:
+    """`torch.load` of a checkpoint file; a file torch cannot read raises `CheckpointError` naming it."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{file} is unreadable (truncated or corrupt?): {reason}") from None
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
+    """The `meta.json` of the checkpoint directory `path` (step, run config, model config, world size).
+
+    Raises:
+        CheckpointError: it is missing, not JSON, or not an object with an integer `step`; names the file.
+    """
     path = Path(path) / META_FILE
     if not path.exists():
         raise CheckpointError(f"{path.parent} is not a training checkpoint (no {META_FILE})")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt (not JSON: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{path} is corrupt (expected an object with an integer 'step')")
+    return meta
+
+
+def read_checkpoint(path: Path) -> dict[str, Any] | None:
+    """Read what can be checked before a checkpoint is applied: `meta.json`, and `state.pt` (returned) or the
+    sharded format's `trainer_state.pt`; raises `CheckpointError` naming the file that cannot be read."""
+    from flashnext.parallel.dcp import STATE_FILE as SHARDED_STATE
+
+    load_meta(path)
+    if (Path(path) / SHARDED_STATE).exists():  # the tensors' own files are read (and checked) by DCP's load
+        read_torch_file(Path(path) / SHARDED_STATE, weights_only=False)
+        return None
+    return load(path)
+
+
+def set_aside(path: str | Path) -> Path:
+    """Rename a bad checkpoint directory `step_N` to `step_N.corrupt[.i]`: no longer listed, resumed or pruned,
+    but kept for a look. Returns the new path."""
+    path = Path(path)
+    target, i = path.with_name(path.name + ".corrupt"), 1
+    while target.exists():
+        target, i = path.with_name(f"{path.name}.corrupt.{i}"), i + 1
+    os.rename(path, target)
+    return target

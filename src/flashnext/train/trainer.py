@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ import torch
 
 from flashnext.batch import PackedBatch, make_segments, next_token_targets
 from flashnext.config import TextConfig, load_config, parse_config
-from flashnext.errors import ConfigError, InputError
-from flashnext.parallel.dist import DistContext, destroy_distributed, init_distributed
+from flashnext.errors import CheckpointError, ConfigError, InputError
+from flashnext.parallel.dist import DistContext, init_distributed
+from flashnext.train import run_dir
 from flashnext.train import state_io as ckpt
 from flashnext.train.config import RunConfig
-from flashnext.train.data import Example, load_jsonl
+from flashnext.train.data import Example, ModelLimits, load_jsonl
+from flashnext.train.evaluation import Evaluator, split_eval
 from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, sft_loss, token_logprobs
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
@@ -140,19 +143,50 @@ def load_tokenizer_for(cfg: RunConfig):
     return load_tokenizer(None)
 
 
-def load_examples(cfg: RunConfig, tokenizer) -> list[Example]:
+def load_examples(
+    cfg: RunConfig, tokenizer, limits: ModelLimits | None = None
+) -> tuple[list[Example], list[Example] | None]:
+    """(training examples, held-out examples or None) as `data` says; every id checked against `limits`."""
     if cfg.data.path is not None:
         path = Path(cfg.data.path)
     else:
         from flashnext.tokenizer import bundled_sft_path
 
         path = bundled_sft_path()
-    if not path.exists():
-        raise ConfigError(f"data.path={str(path)!r} does not exist")
-    examples = load_jsonl(path, tokenizer, add_eos=cfg.data.add_eos)
+    examples = _read_examples(path, "data.path", cfg, tokenizer, limits)
+    if cfg.data.eval_path is not None:
+        return examples, _read_examples(Path(cfg.data.eval_path), "data.eval_path", cfg, tokenizer, limits)
+    if cfg.data.eval_fraction:
+        return split_eval(examples, cfg.data.eval_fraction, cfg.data.seed)
+    return examples, None
+
+
+def _read_examples(path: Path, field: str, cfg: RunConfig, tokenizer, limits: ModelLimits | None) -> list[Example]:
+    if not path.is_file():
+        problem = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{field}={str(path)!r} {problem}")
+    examples = load_jsonl(path, tokenizer, add_eos=cfg.data.add_eos, limits=limits)
     if not examples:
         raise InputError(f"{path}: no examples")
     return examples
+
+
+def needs_tokenizer(cfg: RunConfig) -> bool:
+    """Pre-tokenized data needs no tokenizer; text data (in `data.path` or `data.eval_path`) and the bundled
+    corpus do."""
+    if cfg.data.path is None:
+        return True
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                line = next((raw for raw in f if raw.strip()), None)
+            if line is not None and "input_ids" not in json.loads(line):
+                return True
+        except (OSError, ValueError, TypeError):
+            return True  # let the loader report the file or line
+    return False
 
 
 class Trainer:
@@ -176,9 +210,9 @@ class Trainer:
 
         self.model = build_model(cfg, self.device, self.ctx)
         self.text_config: TextConfig = self.model.config
-        self.tokenizer = load_tokenizer_for(cfg) if self._needs_tokenizer() else None
+        self.tokenizer = load_tokenizer_for(cfg) if needs_tokenizer(cfg) else None
         self._check_vocab()
-        examples = load_examples(cfg, self.tokenizer)
+        examples, held_out = load_examples(cfg, self.tokenizer, ModelLimits.of(self.text_config))
         self.cost_fn = flop_cost(self.text_config)
         self.loader = PackedLoader(
             examples,
@@ -189,7 +223,11 @@ class Trainer:
             truncate=cfg.data.truncate,
         )
         self.batches = iter(self.loader)
-        if cfg.train.loss == "rl" and examples[0].inference_logprobs is None:
+        self.evaluator = (
+            Evaluator(held_out, cfg.data.token_budget, self.cost_fn, cfg.data.truncate) if held_out else None
+        )
+        # the held-out split too: its loss is the run's loss
+        if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
         if cfg.train.compile and not self.ctx.distributed:  # parallelize applied both otherwise
@@ -210,19 +248,10 @@ class Trainer:
         self.tokens_seen = 0
         self.peak_flops = None
 
-    def _needs_tokenizer(self) -> bool:
-        """Pre-tokenized data needs no tokenizer; text data and the bundled corpus do."""
-        path = self.cfg.data.path
-        if path is None:
-            return True
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        return "input_ids" not in json.loads(line)
-                    except json.JSONDecodeError:
-                        return True  # let the loader report the line
-        return False
+    def warn(self, message: str) -> None:
+        """A warning line on stderr (rank 0 only)."""
+        if self.ctx.is_main:
+            print(f"flashnext train: warning: {message}", file=sys.stderr, flush=True)
 
     def _check_vocab(self) -> None:
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.text_config.vocab_size:
@@ -374,8 +403,9 @@ class Trainer:
         dist.barrier()
         return path
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore a checkpoint of either format (a sharded one at any world size, including a single process)."""
+    def load_checkpoint(self, path: Path, state: dict[str, Any] | None = None) -> None:
+        """Restore a checkpoint of either format (a sharded one at any world size, including a single process);
+        `state`: the single-process `state.pt` already read by `state_io.read_checkpoint`."""
         from flashnext.parallel.dcp import STATE_FILE as SHARDED_STATE
 
         if (Path(path) / SHARDED_STATE).exists():
@@ -388,58 +418,60 @@ class Trainer:
                 "(flashnext convert) and start from the exported weights"
             )
         else:
-            self.load_state_dict(ckpt.load(path))
+            self.load_state_dict(state if state is not None else ckpt.load(path))
 
     def maybe_resume(self) -> Path | None:
-        """Load the checkpoint `checkpoint.resume` names (`latest`: newest one, if any)."""
+        """Load the checkpoint `checkpoint.resume` names (`latest`: the newest readable one, if any).
+
+        With `latest`, a checkpoint whose files cannot be read (a truncated `state.pt`, a corrupt `meta.json`) is
+        skipped with a warning naming the file and set aside, and the previous one is used: losing the steps
+        since it beats losing the run. An explicitly named checkpoint that cannot be read is refused.
+        """
         where = self.cfg.checkpoint.resume
         if where is None:
             return None
-        path = ckpt.latest(self.out_dir / "checkpoints") if where == "latest" else Path(where)
-        if path is None:
-            self.say(f"resume=latest: no checkpoint in {self.out_dir / 'checkpoints'}, starting fresh")
-            return None
-        ckpt.load_meta(path)  # a clear error for a directory that is no checkpoint
-        self.load_checkpoint(path)
-        self.say(f"resumed from {path} at step {self.step}")
-        return path
+        if where != "latest":
+            path = Path(where)
+            self.load_checkpoint(path, ckpt.read_checkpoint(path))
+            self.say(f"resumed from {path} at step {self.step}")
+            return path
+        root = self.out_dir / "checkpoints"
+        bad: dict[Path, str] = {}
+        for path in reversed(ckpt.list_checkpoints(root)):
+            try:
+                state = ckpt.read_checkpoint(path)
+            except CheckpointError as e:
+                bad[path] = str(e)
+                self.warn(f"{e}; trying the previous checkpoint")
+                continue
+            self.load_checkpoint(path, state)
+            for old in bad if self.ctx.is_main else ():  # out of `latest`'s and keep_last's way, kept for a look
+                self.warn(f"set the unreadable checkpoint aside as {ckpt.set_aside(old)}")
+            self.say(f"resumed from {path} at step {self.step}" + (f" ({len(bad)} newer unreadable)" if bad else ""))
+            return path
+        if bad:
+            raise CheckpointError(f"resume=latest: no readable checkpoint in {root}: " + "; ".join(bad.values()))
+        self.say(f"resume=latest: no checkpoint in {root}, starting fresh")
+        return None
 
     # ---- the run ---------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, float]]:
         """Train to `train.steps`, logging and checkpointing; returns the metrics of the steps run here."""
         cfg = self.cfg
+        self._claim_out_dir()
         self.maybe_resume()
-        if cfg.log.peak_flops == "measure":
-            self.peak_flops = measure_peak_flops(self.device, _DTYPES[cfg.model.dtype])
-        else:
-            self.peak_flops = float(cfg.log.peak_flops)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        self.say(
-            f"model: {n_params / 1e6:.2f}M params on {self.device} ({cfg.model.dtype}); "
-            f"{len(self.loader.examples)} examples, token budget {cfg.data.token_budget} x "
-            f"{cfg.data.micro_batches} micro-batches x {self.ctx.world_size} rank(s); "
-            f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
-        )
-        logger = MetricsLogger(
-            self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main, resume_step=self.step, wandb=cfg.log.wandb_project
-        )
-        bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.log.progress and self.ctx.is_main)
-        history = []
-        try:
-            while self.step < cfg.train.steps:
-                metrics = self.train_step(self.next_micro_batches())
-                history.append(metrics)
-                bar.update(metrics)
-                if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
-                    logger.log(metrics)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
-                    self.save_checkpoint()
-        finally:
-            bar.close()
-            logger.close()
+        if self.step >= cfg.train.steps:
+            self.say(
+                f"run already finished at step {self.step} (train.steps={cfg.train.steps}); "
+                "raise --train.steps to continue"
+            )
+            return []
+        self._announce()
+        history = self._loop()
         if history:
+            t0 = time.perf_counter()
             path = self.save_checkpoint()
-            self.say(f"checkpoint: {path}")
+            self.say(f"checkpoint: {path} ({time.perf_counter() - t0:.1f}s)")
         if cfg.checkpoint.export:
             final = self.out_dir / "final"
             self.export(final)
@@ -450,96 +482,107 @@ class Trainer:
                 f"done: step {last['step']}, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
                 f"{sum(m['tokens'] for m in history)} tokens, mean {_mean(history, 'tokens_per_s'):,.0f} tokens/s"
                 + (f", MFU {_mean(history, 'mfu'):.2%}" if "mfu" in last else "")
+                + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
             )
         return history
+
+    def _claim_out_dir(self) -> None:
+        """Refuse a previous run in `out_dir` (unless resuming), or clear it with `train.overwrite` (rank 0)."""
+        cfg = self.cfg
+        if self.ctx.is_main:
+            run_dir.check_out_dir(self.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
+            if cfg.train.overwrite:
+                gone = run_dir.clear_run(self.out_dir)
+                if gone:
+                    self.say(f"overwrite: deleted the previous run's {', '.join(gone)} in {self.out_dir}")
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()  # nobody writes before rank 0 has checked and cleared
+
+    def _announce(self) -> None:
+        cfg = self.cfg
+        if cfg.log.peak_flops == "measure":
+            self.peak_flops = measure_peak_flops(self.device, _DTYPES[cfg.model.dtype])
+        else:
+            self.peak_flops = float(cfg.log.peak_flops)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        held_out = f", {self.evaluator.num_examples} held out" if self.evaluator else ""
+        self.say(
+            f"model: {n_params / 1e6:.2f}M params on {self.device} ({cfg.model.dtype}); "
+            f"{len(self.loader.examples)} examples{held_out}, token budget {cfg.data.token_budget} x "
+            f"{cfg.data.micro_batches} micro-batches x {self.ctx.world_size} rank(s); "
+            f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
+        )
+
+    def _loop(self) -> list[dict[str, float]]:
+        """The steps from the current one to `train.steps`: train, evaluate, log, checkpoint."""
+        cfg = self.cfg
+        logger = MetricsLogger(
+            self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main, resume_step=self.step, wandb=cfg.log.wandb_project
+        )
+        bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.log.progress and self.ctx.is_main)
+        history = []
+        try:
+            while self.step < cfg.train.steps:
+                metrics = self.train_step(self.next_micro_batches())
+                last = self.step == cfg.train.steps
+                if self.evaluator is not None and (last or _every(self.step, cfg.train.eval_every)):
+                    metrics["eval_loss"] = self.eval_loss()
+                history.append(metrics)
+                bar.update(metrics)
+                if self.step % cfg.log.every == 0 or last or "eval_loss" in metrics:
+                    logger.log(metrics)
+                if _every(self.step, cfg.checkpoint.every) and not last:
+                    t0 = time.perf_counter()
+                    path = self.save_checkpoint()
+                    bar.write(f"checkpoint: {path} ({time.perf_counter() - t0:.1f}s)", self.say)
+        finally:
+            bar.close()
+            logger.close()
+        return history
+
+    def eval_loss(self) -> float:
+        """The held-out loss (mean per loss token over the whole split, the run's loss, no gradient); collective."""
+        return self.evaluator.loss(
+            self.model,
+            self._forward_loss,
+            self.ctx.rank,
+            self.ctx.world_size,
+            lambda values: all_reduce_sum(self.ctx, values),
+        )
 
     def export(self, path: Path) -> None:
         """The current weights in the official Hugging Face layout (+ the tokenizer files); collective.
 
-        With a process group every rank writes what it owns (n-gram table shards) and rank 0 the rest.
+        The export is written to a temp directory beside `path`, which then replaces `path` whole (no file of an
+        older export survives beside the new one). With a process group every rank writes what it owns (n-gram
+        table shards) and rank 0 the rest.
         """
+        path = Path(path)
+        tmp = run_dir.export_dir(path, clear=self.ctx.is_main)
         if self.ctx.distributed:
+            import torch.distributed as dist
+
             from flashnext.parallel import export_pretrained
 
-            export_pretrained(self.model, path)
+            dist.barrier()  # rank 0 emptied the temp directory
+            export_pretrained(self.model, tmp)
         else:
-            self.model.save_pretrained(path)
-        if self.ctx.is_main and self.tokenizer is not None and hasattr(self.tokenizer, "save"):
-            self.tokenizer.save(path)
+            self.model.save_pretrained(tmp)
+        if self.ctx.is_main:
+            if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
+                self.tokenizer.save(tmp)
+            run_dir.swap_in(tmp, path)
+
+
+def _every(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
 
 
 def _mean(history: list[dict[str, float]], key: str) -> float:
     values = [m[key] for m in history if key in m]
     return sum(values) / max(len(values), 1)
-
-
-# ---- command line --------------------------------------------------------------------------------------
-USAGE = """usage: flashnext train [--config RUN.toml] [--resume [latest|DIR]] [--print-config] [--SECTION.FIELD=V ...]
-
-Train on packed sequences as the run config says (defaults: the embedded tiny model on the bundled corpus).
-  --config PATH        TOML run config (sections model, data, optim, rl, train, checkpoint, log)
-  --resume [WHERE]     continue from the newest checkpoint in <out_dir>/checkpoints, or from WHERE
-  --print-config       print the resolved config as TOML-like JSON and exit
-  --section.field=V    override one field; V is a TOML literal or a bare string (e.g. --train.steps=20)
-"""
-
-
-def parse_args(argv: list[str]) -> tuple[RunConfig, bool]:
-    """`flashnext train` arguments -> (run config, print_config)."""
-    from flashnext.train.config import load_run_config
-
-    config_path, overrides, print_config = None, [], False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if arg == "--config" or arg.startswith("--config="):
-            if "=" in arg:
-                config_path = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                config_path, i = argv[i + 1], i + 1
-            else:
-                raise ConfigError("--config needs a path")
-        elif arg == "--resume" or arg.startswith("--resume="):
-            where = "latest"
-            if "=" in arg:
-                where = arg.split("=", 1)[1]
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                where, i = argv[i + 1], i + 1
-            overrides.append(f"--checkpoint.resume={json.dumps(where)}")
-        elif arg == "--print-config":
-            print_config = True
-        elif arg.startswith("--") and "=" in arg:
-            overrides.append(arg)
-        else:
-            raise ConfigError(f"unknown argument {arg!r} (overrides look like --section.field=value)\n{USAGE}")
-        i += 1
-    return load_run_config(config_path, overrides), print_config
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `flashnext train` and `python -m flashnext.train`."""
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, print_config = parse_args(argv)
-        if print_config:
-            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
-            return 0
-        # under torchrun: one process group over every rank (gloo on CPU, NCCL on CUDA); else a single process
-        device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
-        ctx = init_distributed(device=device)
-        try:
-            Trainer(cfg, ctx).run()
-        finally:
-            destroy_distributed(ctx)
-    except (ConfigError, InputError, OSError) as e:
-        print(f"flashnext train: error: {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _model_config_dict(model: torch.nn.Module) -> dict:

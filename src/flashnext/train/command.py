@@ -1,0 +1,90 @@
+"""`flashnext train` / `python -m flashnext.train` (also under torchrun): arguments, start-up checks, exit status."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from flashnext.errors import ConfigError, FlashNextError
+from flashnext.parallel.dist import destroy_distributed, init_distributed
+from flashnext.train import run_dir
+from flashnext.train.config import RunConfig
+from flashnext.train.trainer import Trainer, resolve_device
+
+USAGE = """usage: flashnext train [--config RUN.toml] [--resume [latest|DIR] | --overwrite] [--print-config]
+                       [--SECTION.FIELD=V ...]
+
+Train on packed sequences as the run config says (defaults: the embedded tiny model on the bundled corpus).
+  --config PATH        TOML run config (sections model, data, optim, rl, train, checkpoint, log)
+  --resume [WHERE]     continue from the newest readable checkpoint in <out_dir>/checkpoints, or from WHERE
+  --overwrite          start over in an out_dir holding a previous run: delete its metrics.jsonl, checkpoints/,
+                       final/ and plots/ first (train.overwrite=true); without it such an out_dir is refused
+  --print-config       print the resolved config as JSON and exit
+  --section.field=V    override one field; V is a TOML literal or a bare string (e.g. --train.steps=20)
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[RunConfig, bool]:
+    """`flashnext train` arguments -> (run config, print_config)."""
+    from flashnext.train.config import load_run_config
+
+    config_path, overrides, print_config = None, [], False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if arg == "--config" or arg.startswith("--config="):
+            if "=" in arg:
+                config_path = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                config_path, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError("--config needs a path")
+        elif arg == "--resume" or arg.startswith("--resume="):
+            where = "latest"
+            if "=" in arg:
+                where = arg.split("=", 1)[1]
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                where, i = argv[i + 1], i + 1
+            overrides.append(f"--checkpoint.resume={json.dumps(where)}")
+        elif arg == "--overwrite":
+            overrides.append("--train.overwrite=true")
+        elif arg == "--print-config":
+            print_config = True
+        elif arg.startswith("--") and "=" in arg:
+            overrides.append(arg)
+        else:
+            raise ConfigError(
+                f"unknown argument {arg!r}: overrides take the form --section.field=value (flashnext train --help)"
+            )
+        i += 1
+    return load_run_config(config_path, overrides), print_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `flashnext train` and `python -m flashnext.train` (also under torchrun).
+
+    Every flashnext error (config, data, checkpoint), a missing file and a non-finite loss end the run with one
+    line on stderr (once per job under torchrun: `failure.report_fatal`) and exit status 1, no traceback.
+    """
+    from flashnext.train.failure import report_fatal
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg, print_config = parse_args(argv)
+        if print_config:
+            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+            return 0
+        # before any process-group work, so every rank refuses alike and nobody waits in a rendezvous
+        run_dir.check_out_dir(cfg.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
+        # under torchrun: one process group over every rank (gloo on CPU, NCCL on CUDA); else a single process
+        device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
+        ctx = init_distributed(device=device)
+        Trainer(cfg, ctx).run()
+        destroy_distributed(ctx)  # not on an error: its barrier would pair with a peer's unrelated collective
+    except (FlashNextError, OSError, FloatingPointError) as e:
+        report_fatal(str(e))
+        return 1
+    return 0
