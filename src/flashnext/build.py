@@ -11,12 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
+from flashnext.checkpoint.files import TORCH_DTYPES, checkpoint_files, data_offsets, read_headers
+from flashnext.checkpoint.fp8 import dequantize_rows
 from flashnext.checkpoint.load import load_checkpoint
+from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB, OnDiskNGramTable
+from flashnext.checkpoint.ngram_tables import FP8, STORAGES, TableOnDisk, inspect_table, ngram_tables
+from flashnext.checkpoint.quantize import row_chunks
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
+from flashnext.model.ngram_nf4 import NF4NGramTable
+from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
 
 
@@ -40,23 +48,38 @@ def build_model(
     Returns:
         The model in eval mode.
     """
+    model = _on_meta(config, dtype)
+    if torch.device(device).type != "meta":
+        _materialise(model, device, seed)
+    return model.eval()
+
+
+def _on_meta(config: TextConfig | ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model of `config` on the meta device (no memory), cast to `dtype` there."""
     multimodal = isinstance(config, ModelConfig) and config.vision_config is not None
     with torch.device("meta"):
         if multimodal:
             model = FlashNextForConditionalGeneration(config)
         else:
             model = FlashNextForCausalLM(config.text if isinstance(config, ModelConfig) else config)
-    model.to(dtype=dtype)
-    if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        model.reset_buffers()
-        if seed is not None:
-            model.init_weights(seed)
-    return model.eval()
+    return model.to(dtype=dtype)
+
+
+def _materialise(model: nn.Module, device: str | torch.device, seed: int | None = None) -> None:
+    """Allocate a meta model once on `device`, recompute its derived buffers, and init it when `seed` is given."""
+    model.to_empty(device=device)
+    model.reset_buffers()
+    if seed is not None:
+        model.init_weights(seed)
 
 
 def from_pretrained(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    ngram_storage: str = "auto",
+    ngram_resident_mb: float = DEFAULT_RESIDENT_MB,
 ) -> torch.nn.Module:
     """Load a checkpoint: `FlashNextForConditionalGeneration` for a composite (`qwen4_exp`) one with a vision tower,
     `FlashNextForCausalLM` for a text (`qwen4_exp_text`) one or a composite one with `language_model_only: true`
@@ -70,6 +93,12 @@ def from_pretrained(
         path: checkpoint directory (`config.json` + `model.safetensors` or shards with an index).
         dtype: floating-point dtype of the parameters.
         device: where the parameters live.
+        ngram_storage: how the PLE n-gram tables are held (`flashnext.checkpoint.ngram_tables`): `auto` (FP8
+            tables stay FP8 and frozen, others are trainable `nn.Embedding`s in `dtype`), `dense` (all in `dtype`,
+            FP8 upcast shard by shard), `stored` (all frozen in their stored dtype) or `mmap` (rows read from the
+            files on lookup, `checkpoint/ngram_ondisk.py`) or `nf4` (4-bit rows quantised at load, lossy,
+            `model/ngram_nf4.py`).
+        ngram_resident_mb: with `mmap`, MiB of recently read rows cached in memory per table (0: none).
 
     Returns:
         The model in eval mode, with `model.model_config` (the parsed `ModelConfig`, so `save_pretrained`
@@ -81,9 +110,11 @@ def from_pretrained(
     """
     cfg = load_config(path)
     multimodal = cfg.vision_config is not None
-    model = build_model(cfg, dtype=dtype, device=device)
-    model.model_config = cfg
+    model = _on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
+    prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
+    _materialise(model, device)
+    model.model_config = cfg
     try:
         load_checkpoint(model, path, prefix_style=style)
     except CheckpointError as e:
@@ -94,4 +125,83 @@ def from_pretrained(
                 e.problems,
             ) from None
         raise
+    fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
     return model.eval()
+
+
+# ---- n-gram table storage (`ngram_storage=`): which module holds each PLE table -------------------------------
+def prepare_ngram_storage(
+    model: nn.Module, path: str | Path, storage: str, *, dtype: torch.dtype, style: str, resident_mb: float
+) -> None:
+    """Swap each table module of a model still on `meta` for the one `storage` asks for (see the module doc).
+
+    Call after the model's dtype cast and before `to_empty`: a `StoredNGramTable` keeps its stored dtype and
+    is allocated by `to_empty`; an on-disk (`mmap`) table allocates nothing. Tables with problems keep their
+    `nn.Embedding`, so `load_checkpoint` reports every problem in one error (an on-disk table is never
+    read by the loader, so for `mmap` its problems are raised here).
+
+    Raises:
+        CheckpointError: an unknown `storage`, or (for `mmap`) a table the files cannot serve.
+    """
+    if storage not in STORAGES:
+        raise CheckpointError(f"ngram_storage={storage!r}: expected one of {STORAGES}")
+    if storage == "dense":
+        return
+
+    files, weight_map = checkpoint_files(path)
+    headers, _, lost = read_headers(files, weight_map)
+    for our_key, ngram in ngram_tables(model):
+        table, problems = inspect_table(our_key, style, headers)
+        rows, width = ngram.ngram_embedding.weight.shape
+        if storage in ("mmap", "nf4"):  # tables the loader never reads: their problems are raised here
+            if table is None:
+                raise CheckpointError(f"ngram_storage={storage!r}: no n-gram table rows of {our_key} in {str(path)!r}")
+            if problems:
+                raise CheckpointError(f"ngram_storage={storage!r}: cannot read {our_key} from {str(path)!r}", problems)
+        if storage == "mmap":
+            ngram.ngram_embedding = OnDiskNGramTable(table, rows, width, dtype=dtype, resident_mb=resident_mb)
+        elif storage == "nf4":
+            ngram.ngram_embedding = _nf4_table(table, rows, width, dtype)
+        elif table is not None and not problems and (storage == "stored" or table.dtype == FP8):
+            if table.dtype not in TORCH_DTYPES or any(s[0] in lost for s in table.shards):
+                continue  # unreadable: the loader reports it
+            scale = table.scale
+            ngram.ngram_embedding = StoredNGramTable(
+                rows, width, storage_dtype=TORCH_DTYPES[table.dtype], dtype=dtype,
+                scale_dtype=TORCH_DTYPES[scale[3]] if scale else None, scale_shape=scale[2] if scale else (),
+                device="meta",
+            )  # fmt: skip
+
+
+def _nf4_table(table: TableOnDisk, rows: int, width: int, dtype: torch.dtype) -> nn.Module:
+    """An `NF4NGramTable` on `meta`, filled after allocation by `fill_quantized_tables` from `table`'s files."""
+    if table.rows != rows or any(len(s[2]) != 2 or s[2][1] != width for s in table.shards):
+        raise CheckpointError(
+            f"ngram_storage='nf4': {table.disk_pre} holds {table.rows} rows, expected [{rows}, {width}]"
+        )
+    module = NF4NGramTable(rows, width, dtype=dtype, device="meta")
+    module.source = table
+    module.disk_keys = frozenset([s[0] for s in table.shards] + ([table.scale[0]] if table.scale else []))
+    return module
+
+
+@torch.no_grad()
+def fill_quantized_tables(model: nn.Module) -> None:
+    """Quantise the stored rows of every NF4 table (`ngram_storage="nf4"`) into it, a 1 MiB piece at a time.
+
+    FP8 rows are dequantised with their scale first (`dequantize_rows` to fp32), other dtypes cast to fp32.
+    """
+    for module in model.modules():
+        table = getattr(module, "source", None)
+        if not isinstance(table, TableOnDisk) or not hasattr(module, "fill"):
+            continue
+        scale = None
+        if table.scale is not None:
+            with safe_open(table.scale[1], framework="pt") as f:
+                scale = f.get_tensor(table.scale[0])
+        start = 0
+        for key, file, _, _ in table.shards:
+            base, header = data_offsets(file)
+            for rows in row_chunks(file, base, header[key]):
+                module.fill(start, dequantize_rows(rows, scale, torch.float32))
+                start += rows.shape[0]

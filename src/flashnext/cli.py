@@ -16,6 +16,8 @@ Subcommands (`flashnext` alone prints the help; an unknown one is an error with 
     serve: OpenAI-compatible HTTP server (`flashnext.serve.server`) for a checkpoint or the tiny default.
 
     generate: one-off generation from a prompt (text or `--ids`), printing the completion.
+
+    quantize: `flashnext quantize --ngram fp8 IN OUT` writes a checkpoint whose n-gram tables are FP8.
 """
 
 from __future__ import annotations
@@ -259,6 +261,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    _add_ngram_storage_args(p)
+
+
+def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
+    from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB
+    from flashnext.checkpoint.ngram_tables import STORAGES
+
+    p.add_argument(
+        "--ngram-storage", choices=STORAGES, default="auto",
+        help="n-gram tables: auto (FP8 stays FP8, else the model dtype), dense (model dtype), stored (as on disk), "
+        "mmap (rows read from the checkpoint files on demand), nf4 (4-bit rows, quantised at load) (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ngram-resident-mb", type=float, default=DEFAULT_RESIDENT_MB, metavar="MB",
+        help=f"with --ngram-storage mmap: MiB of rows cached in memory per table (default {DEFAULT_RESIDENT_MB})",
+    )  # fmt: skip
 
 
 def _build_engine(args: argparse.Namespace):
@@ -267,7 +285,10 @@ def _build_engine(args: argparse.Namespace):
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model, tokenizer, name = load_for_serving(args.model, _DTYPES[args.dtype], args.seed)
+    model, tokenizer, name = load_for_serving(
+        args.model, _DTYPES[args.dtype], args.seed, ngram_storage=args.ngram_storage,
+        ngram_resident_mb=args.ngram_resident_mb,
+    )  # fmt: skip
     engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens)
     return engine, name
 
@@ -387,6 +408,22 @@ def run_generate(args: argparse.Namespace) -> None:
     )
 
 
+def _add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ngram", choices=["fp8"], required=True, help="n-gram table format: fp8 (F8_E4M3 + scale)")
+    p.add_argument("src", metavar="IN", help="checkpoint directory with BF16/F16/F32 n-gram tables")
+    p.add_argument("dst", metavar="OUT", help="output directory (other tensors and files copied unchanged)")
+
+
+def run_quantize(args: argparse.Namespace) -> None:
+    from flashnext.checkpoint.quantize import quantize_checkpoint
+
+    start = time.perf_counter()
+    scales = quantize_checkpoint(args.src, args.dst, ngram=args.ngram)
+    for table, scale in scales.items():
+        print(f"{table}: F8_E4M3, weight_scale {scale:.6g}")
+    print(f"wrote {args.dst} in {time.perf_counter() - start:.1f}s ({len(scales)} table(s) in FP8)")
+
+
 def _add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's out_dir (holding metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
@@ -417,6 +454,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
     "demo": ("build, save, reload and run the embedded tiny model (self-checks)", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
+    "quantize": ("write a checkpoint with FP8 n-gram tables", _add_quantize_args, run_quantize),
 }
 _RAW_ARGV = {"train"}  # commands handed their arguments unparsed
 

@@ -27,3 +27,12 @@ class CheckpointError(FlashNextError):
 class InputError(FlashNextError):
     """Model inputs (ids, cu_seqlens, positions, masks, labels, router replay, images) are malformed; the message
     names the argument and its shape or dtype."""
+
+
+class FieldsError(ValueError):
+    """A pydantic validator's verdict on a combination of fields; `fields` are their dotted names relative to the
+    model validated, so the run config's error (a `ConfigError`) can say where each value came from."""
+
+    def __init__(self, message: str, fields: tuple[str, ...]):
+        super().__init__(message)
+        self.fields = fields

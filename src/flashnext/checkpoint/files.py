@@ -10,6 +10,7 @@ the destination bytes plus a few tens of MiB.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -34,6 +35,17 @@ TORCH_DTYPES = {
 def is_float_dtype(dtype: str) -> bool:
     """True for safetensors' floating-point dtype names (`F32`, `BF16`, `F8_E4M3`, ...)."""
     return dtype.startswith("F") or dtype == "BF16"
+
+
+def data_offsets(file: str | Path) -> tuple[int, dict[str, dict]]:
+    """(byte offset of a safetensors file's data section, its JSON header `{key: {dtype, shape, data_offsets}}`).
+
+    `data_offsets` in the header are relative to the data section; the `__metadata__` entry is included as is.
+    """
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return 8 + n, header
 
 
 def checkpoint_files(path: str | Path) -> tuple[list[Path], dict[str, Path] | None]:

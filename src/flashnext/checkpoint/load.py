@@ -24,6 +24,7 @@ import torch
 
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import StreamReader, checkpoint_files, is_float_dtype, read_headers
+from flashnext.checkpoint.ngram_tables import NGRAM_SCALE, external_keys, fp8_problems, scale_key
 from flashnext.errors import CheckpointError
 
 PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE, layout.MULTIMODAL)
@@ -50,8 +51,12 @@ def _describe(shape, dtype) -> str:
 class _Matcher:
     """Sorts on-disk keys into slots of our tensors, n-gram shards, derived buffers, extras and problems."""
 
-    def __init__(self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str, tie: bool):
+    def __init__(
+        self, ours: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], style: str, tie: bool, external=()
+    ):
         self.ours, self.buffers, self.style = ours, buffers, style
+        self.external = set(external)  # keys of on-disk (`mmap`) n-gram tables: read by the table, not copied
+        self.scales: dict[str, str] = {}  # our dense table -> FP8 scale key: the shards are dequantised into it
         self.shared = shares_embedding(ours)
         self.embed = layout.embed_name(ours)
         self.tie = tie or self.shared
@@ -69,6 +74,8 @@ class _Matcher:
         self.problems: list[str] = []
 
     def add(self, key: str, shape: tuple[int, ...], dtype: str) -> None:
+        if key in self.external:
+            return
         if key in self.plan:
             slot = self.plan[key]
             dest = self.ours[slot.our_key]
@@ -83,6 +90,9 @@ class _Matcher:
             self._add_whole(key, shape, dtype)
         elif (shard := layout.table_key_of_shard(key, self.style)) and shard[0] in self.tables:
             self.shards[shard[0]][shard[1]] = key
+        elif (m := NGRAM_SCALE.match(key)) and (table := layout.from_disk_name(m["pre"] + ".weight", self.style)):
+            if table not in self.tables:
+                self.problems.append(f"unexpected: {key} {_describe(shape, dtype)}")
         elif layout.is_derived_buffer(key) and (name := layout.from_disk_name(key, self.style)) is not None:
             self._add_derived(key, name, shape, dtype)
         elif layout.is_extra(key):
@@ -128,9 +138,12 @@ class _Matcher:
         split_too |= {t for t in self.tables if t in self.whole_found and self.shards.get(t)}
         self.problems += [f"duplicate: {self.whole_found[k]} is stored both whole and split" for k in sorted(split_too)]
         for table, first in self.tables.items():
+            disk_pre = first.disk_key.rsplit(".shard_", 1)[0]
+            if table in self.whole_found:  # stored whole (state-dict layout): the FP8 checks of that one tensor
+                key = self.whole_found[table]
+                self.problems += self._fp8_problems(table, disk_pre, {key: headers[key][2]}, headers)
             if table in whole:
                 continue
-            disk_pre = first.disk_key.rsplit(".shard_", 1)[0]
             if not any(k.startswith(disk_pre + ".shard_") for k in lost):
                 self._table_slots(table, disk_pre, headers)
 
@@ -155,9 +168,24 @@ class _Matcher:
             start += n_rows
         if not bad and start != shape[0]:
             bad.append(f"mis-shaped: {disk_pre}.shard_* hold {start} rows, n-gram table {table} has {shape[0]}")
+        if not bad:
+            bad = self._fp8_problems(table, disk_pre, {found[j]: headers[found[j]][2] for j in order}, headers)
         self.problems += bad
         if not bad:
             self.slots += layout.ngram_slots(table, disk_pre, shape, rows)
+
+    def _fp8_problems(self, table: str, disk_pre: str, dtypes: dict[str, str], headers: dict) -> list[str]:
+        """FP8 layout checks; a dense table from FP8 shards records its scale, an FP8 one needs FP8 shards."""
+        problems = fp8_problems(disk_pre, dtypes, headers)
+        fp8_disk = "F8_E4M3" in dtypes.values()
+        if problems:
+            return problems
+        if self.ours[table].dtype == torch.float8_e4m3fn and not fp8_disk:
+            stored = sorted(set(dtypes.values()))
+            return [f"wrong dtype: {disk_pre} is stored as {stored}, but the model keeps {table} in FP8"]
+        if fp8_disk and self.ours[table].dtype != torch.float8_e4m3fn:
+            self.scales[table] = scale_key(disk_pre)
+        return []
 
 
 def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -201,7 +229,7 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
     ours, buffers = _model_tensors(model)
     style = (layout.model_style(ours) or layout.detect_style(headers)) if prefix_style == "auto" else prefix_style
     cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
-    match = _Matcher(ours, buffers, style, ties_embeddings(cfg))
+    match = _Matcher(ours, buffers, style, ties_embeddings(cfg), external_keys(model))
     for key, (_, shape, dtype) in headers.items():
         match.add(key, shape, dtype)
     match.finish(headers, lost)
@@ -213,7 +241,11 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
         if problems:
             raise CheckpointError(f"cannot load checkpoint {str(path)!r} ({len(problems)} problem(s))", problems)
         for slot in sorted(match.slots, key=lambda s: str(headers[s.disk_key][0])):
-            reader.copy_into(headers[slot.disk_key][0], slot.disk_key, ours[slot.our_key].data[slot.index])
+            dest = ours[slot.our_key].data[slot.index]
+            reader.copy_into(headers[slot.disk_key][0], slot.disk_key, dest)
+            if slot.our_key in match.scales:  # FP8 shard into a dense table: upcast this shard only
+                scale = reader.read_small(headers[match.scales[slot.our_key]][0], match.scales[slot.our_key])
+                dest.mul_(scale.to(dest.device, dest.dtype))  # == dequantize_rows: rows.to(dtype) * scale.to(dtype)
         model.extra_tensors = {k: reader.read_full(headers[k][0], k, *headers[k][1:]) for k in match.extras}
     finally:
         reader.close()

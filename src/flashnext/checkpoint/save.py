@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
 from flashnext.checkpoint.load import HEAD, shares_embedding, ties_embeddings
+from flashnext.checkpoint.ngram_ondisk import ondisk_table_entries
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
 
@@ -54,8 +55,9 @@ def _skip_head(ours: dict[str, torch.Tensor], tie: bool) -> bool:
     )
 
 
-def _entries(model: torch.nn.Module, style: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """(disk key, tensor view) for every tensor to write, in our state_dict order, then buffers, then extras."""
+def tensor_entries(model: torch.nn.Module, style: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """(disk key, tensor view) for every tensor to write, in our state_dict order, then buffers, then extras
+    (tables that stay in their files, `ngram_storage="mmap"`, are not among them: `ondisk_table_entries`)."""
     ours = model.state_dict()
     skip_head = _skip_head(ours, ties_embeddings(cfg))
     out: list[tuple[str, torch.Tensor]] = []
@@ -143,9 +145,11 @@ def save_pretrained(
     """
     cfg = config or model_config_of(model)
     style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
-    entries = _entries(model, style, cfg)
-    files = _shard(entries, max_shard_bytes)
     directory = Path(directory)
+    entries = tensor_entries(model, style, cfg) + ondisk_table_entries(
+        model, style, cfg.text.split_ngram_parts, directory
+    )
+    files = _shard(entries, max_shard_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     names = (
         [SINGLE_FILE]

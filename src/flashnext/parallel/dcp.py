@@ -108,8 +108,8 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         state[f"model.{name}"] = _wrap(p, p, tables)
     persistent = set(model.state_dict(keep_vars=True))
     for name, b in model.named_buffers():
-        if name in persistent:  # persistent buffers only (the model has none today)
-            state[f"model.{name}"] = b.detach()
+        if name in persistent:  # persistent buffers only: a frozen owner-routed table's rows and scale
+            state[f"model.{name}"] = _wrap(b, b, tables)
     return state
 
 

@@ -59,6 +59,11 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
+def _wire(rows: torch.Tensor) -> torch.Tensor:
+    """FP8 rows (a frozen table) travel as their bytes: gloo has no float8 types."""
+    return rows.view(torch.uint8) if rows.is_floating_point() and rows.element_size() == 1 else rows
+
+
 def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | None:
     """Rows [a, b) of `table` on the rank owning row a (None elsewhere), sent there by the other owners."""
     writer = next(r for r, (s, e) in enumerate(table.ranges) if s <= a < e)
@@ -67,7 +72,9 @@ def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | 
         s, e = max(a, table.row_start), min(b, table.row_end)
         if s < e:
             rows = table.weight.detach()[s - table.row_start : e - table.row_start].contiguous()
-            dist.send(rows, dist.get_global_rank(table.group, writer) if table.group else writer, group=table.group)
+            dist.send(
+                _wire(rows), dist.get_global_rank(table.group, writer) if table.group else writer, group=table.group
+            )
         return None
     out = torch.empty(b - a, table.embedding_dim, dtype=table.weight.dtype, device=table.weight.device)
     for r, (s, e) in enumerate(table.ranges):
@@ -78,7 +85,7 @@ def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | 
             out[s - a : e - a].copy_(table.weight.detach()[s - table.row_start : e - table.row_start])
         else:
             src = dist.get_global_rank(table.group, r) if table.group else r
-            dist.recv(out[s - a : e - a], src, group=table.group)
+            dist.recv(_wire(out[s - a : e - a]), src, group=table.group)
     return out
 
 
@@ -142,6 +149,11 @@ def export_pretrained(model: nn.Module, directory: str | Path, *, config: ModelC
                     (layout.to_disk_name(k, style), b) for k, b in model.named_buffers() if layout.is_derived_buffer(k)
                 ]
                 extras += [(k, t) for k, t in getattr(model, "extra_tensors", {}).items()]
+                extras += [  # the scale of a frozen FP8 table (every rank holds it whole)
+                    (layout.to_disk_name(name.removesuffix(".weight") + ".weight_scale", style), t.weight_scale)
+                    for name, t in tables.items()
+                    if t.frozen and t.weight_scale is not None
+                ]
                 for key, t in extras:
                     weight_map[key] = fname
                     total += t.numel() * t.element_size()

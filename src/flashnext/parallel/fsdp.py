@@ -140,8 +140,11 @@ def _shard(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, device: torc
 
 
 def local_row_params(model: nn.Module) -> list[nn.Parameter]:
-    """The owner-routed tables' weights: plain tensors holding this rank's rows (gradients are local, exact)."""
-    return [m.weight for m in model.modules() if isinstance(m, OwnerRoutedEmbedding)]
+    """The owner-routed tables' weights: plain tensors holding this rank's rows (gradients are local, exact).
+
+    Frozen stored-dtype tables (`OwnerRoutedEmbedding.from_stored`) hold buffers, not parameters: not listed.
+    """
+    return [m.weight for m in model.modules() if isinstance(m, OwnerRoutedEmbedding) and not m.frozen]
 
 
 @torch.no_grad()

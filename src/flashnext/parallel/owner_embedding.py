@@ -28,8 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.checkpoint.fp8 import dequantize_rows
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.ngram import NGramEmbedding
+from flashnext.model.ngram_table import StoredNGramTable, apply_keeping_storage
 
 __all__ = ["OwnerRoutedEmbedding", "row_ranges", "swap_ngram_embeddings"]
 
@@ -150,10 +152,34 @@ class OwnerRoutedEmbedding(nn.Module):
                 new.weight.copy_(w[new.row_start : new.row_end])
         return new
 
+    @classmethod
+    def from_stored(
+        cls, table: StoredNGramTable, group: dist.ProcessGroup | None = None, *, dedup: bool = True
+    ) -> OwnerRoutedEmbedding:
+        """Frozen owner-routed twin of a stored-dtype table (e.g. FP8 + scale): this rank's rows stay in the stored
+        dtype as the buffer `weight`, `weight_scale` is kept whole, and owners dequantise the rows they gather
+        (`dequantize_rows`) before sending them back in `table.dtype`. Nothing to train: no parameter, no gradient.
+        """
+        new = cls(table.num_embeddings, table.embedding_dim, group, dedup=dedup, device="meta")
+        del new.weight  # the Parameter: a frozen table keeps its rows as a buffer in the stored dtype
+        rows = table.weight[new.row_start : new.row_end]
+        new.register_buffer("weight", rows if rows.device.type == "meta" else rows.clone())
+        new.register_buffer("weight_scale", table.weight_scale)
+        new.dtype = table.dtype
+        return new
+
+    @property
+    def frozen(self) -> bool:
+        """True for a stored-dtype table (`from_stored`): rows in a buffer, dequantised after the local gather."""
+        return not isinstance(self.weight, nn.Parameter)
+
+    def _apply(self, fn, recurse: bool = True):
+        return apply_keeping_storage(self, fn) if self.frozen else super()._apply(fn, recurse)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """normal(0, 1) like `nn.Embedding` (a model's own `init_weights` usually overrides it)."""
-        if self.weight.device.type != "meta":
+        if self.weight.device.type != "meta" and not self.frozen:
             nn.init.normal_(self.weight)
 
     def extra_repr(self) -> str:
@@ -183,7 +209,11 @@ class OwnerRoutedEmbedding(nn.Module):
         send_counts = torch.bincount(owners, minlength=self.world_size)  # [W]
         send_splits, recv_splits = self._exchange_counts(flat, send_counts)
         recv_ids = _AllToAll.apply(send_ids, recv_splits, send_splits, self.group)  # [R]
-        vectors = F.embedding(recv_ids - self.row_start, self.weight)  # [R, dim]
+        if self.frozen:  # stored rows (e.g. FP8): gather, then dequantise before they travel
+            local = self.weight.index_select(0, recv_ids - self.row_start)
+            vectors = dequantize_rows(local, self.weight_scale, self.dtype)  # [R, dim]
+        else:
+            vectors = F.embedding(recv_ids - self.row_start, self.weight)  # [R, dim]
         returned = _AllToAll.apply(vectors, send_splits, recv_splits, self.group)  # [U, dim]
         self.last_stats = {
             "input_ids": flat.numel(),
@@ -234,6 +264,9 @@ def swap_ngram_embeddings(model: nn.Module, group: dist.ProcessGroup | None = No
 
     Each rank keeps only its rows, copied from the full table when that is materialised; on `meta` the new rows
     stay on `meta` for the caller to materialise and initialise. The full table is released with the old module.
+    A frozen stored-dtype table (`StoredNGramTable`, e.g. FP8 + scale) becomes a frozen owner-routed one
+    (`OwnerRoutedEmbedding.from_stored`). Tables read from disk (`ngram_storage="mmap"`) are left alone: every rank
+    reads its own rows from the files.
 
     Returns:
         The qualified names of the replaced modules, e.g. `model.layers.2.ple.ple_embedding.ngram_embedding`.
@@ -242,5 +275,8 @@ def swap_ngram_embeddings(model: nn.Module, group: dist.ProcessGroup | None = No
     for name, module in list(model.named_modules()):
         if isinstance(module, NGramEmbedding) and isinstance(module.ngram_embedding, nn.Embedding):
             module.ngram_embedding = OwnerRoutedEmbedding.from_embedding(module.ngram_embedding, group, dedup=dedup)
+            swapped.append(f"{name}.ngram_embedding")
+        elif isinstance(module, NGramEmbedding) and isinstance(module.ngram_embedding, StoredNGramTable):
+            module.ngram_embedding = OwnerRoutedEmbedding.from_stored(module.ngram_embedding, group, dedup=dedup)
             swapped.append(f"{name}.ngram_embedding")
     return swapped

@@ -12,32 +12,44 @@ from pathlib import Path
 import torch
 
 from flashnext.config import tiny_config
-from flashnext.errors import CheckpointError
+from flashnext.errors import CheckpointError, ConfigError
 
 DEFAULT_SEED = 0
 DEFAULT_NAME = "flashnext-tiny"
 END_OF_TURN = "<|im_end|>"  # ChatML: ends an assistant turn
 
 
-def load_for_serving(model_dir: str | Path | None, dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED):
+def load_for_serving(
+    model_dir: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = DEFAULT_SEED,
+    *,
+    ngram_storage: str = "auto",
+    ngram_resident_mb: float | None = None,
+):
     """(model, tokenizer or None, model name).
 
     Without `model_dir`: the tiny default config (`flashnext/configs/tiny.json`) with random weights from `seed`
     and the bundled tokenizer. With it: `from_pretrained(model_dir)` and the tokenizer files found there (None if
-    the checkpoint ships none: prompts must then be token ids).
+    the checkpoint ships none: prompts must then be token ids). `ngram_storage` / `ngram_resident_mb` are
+    `from_pretrained`'s (how the n-gram tables are held); the tiny default has no files, so only `auto`/`dense`.
 
     Raises:
         CheckpointError: `model_dir` does not exist, or is not a model directory (a training checkpoint or run
             directory gets a message saying how to serve it).
+        ConfigError: an n-gram storage that needs files (`stored`, `mmap`) without `model_dir`.
     """
     from flashnext.build import build_model, from_pretrained
     from flashnext.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if model_dir is None:
+        if ngram_storage not in ("auto", "dense"):
+            raise ConfigError(f"--ngram-storage {ngram_storage} needs a checkpoint (--model DIR)")
         return build_model(tiny_config(), seed=seed, dtype=dtype), load_tokenizer(), DEFAULT_NAME
     path = Path(model_dir)
     check_model_dir(path)
-    model = from_pretrained(path, dtype=dtype, device="cpu")
+    kwargs = {} if ngram_resident_mb is None else {"ngram_resident_mb": ngram_resident_mb}
+    model = from_pretrained(path, dtype=dtype, device="cpu", ngram_storage=ngram_storage, **kwargs)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILE).exists() else None
     return model, tokenizer, path.resolve().name
 

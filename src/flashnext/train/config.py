@@ -18,20 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flashnext.errors import ConfigError
+from flashnext.errors import ConfigError, FieldsError
 from flashnext.train.loss import RLLossConfig
 from flashnext.train.optim import OptimConfig
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class FieldsError(ValueError):
-    """A validator's verdict on a combination of fields; `fields` are their dotted names relative to the model
-    validated, so the run config's error can say where each value came from."""
-
-    def __init__(self, message: str, fields: tuple[str, ...]):
-        super().__init__(message)
-        self.fields = fields
 
 
 class ModelSection(BaseModel):
@@ -52,6 +43,15 @@ class ModelSection(BaseModel):
     tokenizer: str | None = None
     """Tokenizer directory (`tokenizer.json` + `tokenizer_config.json`); None: the checkpoint's own when it has
     one, else the bundled tiny tokenizer."""
+    freeze_ngram: bool = False
+    """Freeze the PLE n-gram tables (the RL recipe's choice): no gradient, no optimizer state, and from a checkpoint
+    kept in their stored dtype (FP8 + scale, BF16, ...) or read from the files (`ngram_storage = "mmap"`)."""
+    ngram_storage: Literal["auto", "dense", "stored", "mmap", "nf4"] = "auto"
+    """How a checkpoint's n-gram tables are held (`from_pretrained`): `auto` is `stored` when frozen, else `dense`
+    (trainable, in `dtype`; FP8 tables are upcast one shard at a time while loading); `stored`, `mmap` and `nf4`
+    (4-bit rows quantised at load, lossy) need `freeze_ngram`."""
+    ngram_resident_mb: float = Field(256, ge=0)
+    """With `ngram_storage = "mmap"`: MiB of n-gram rows cached in memory per table."""
 
     @model_validator(mode="after")
     def _no_overrides_with_path(self) -> ModelSection:
@@ -59,6 +59,17 @@ class ModelSection(BaseModel):
             raise FieldsError(
                 "overrides apply to a randomly initialised model; they cannot change the checkpoint at path",
                 ("overrides", "path"),
+            )
+        frozen_only = ("stored", "mmap", "nf4")
+        if self.ngram_storage in frozen_only and not self.freeze_ngram:
+            raise FieldsError(
+                f"ngram_storage={self.ngram_storage!r} keeps the tables frozen: set freeze_ngram = true",
+                ("ngram_storage", "freeze_ngram"),
+            )
+        if self.ngram_storage in frozen_only and self.path is None:
+            raise FieldsError(
+                f"ngram_storage={self.ngram_storage!r} reads a checkpoint's tables: set model.path",
+                ("ngram_storage", "path"),
             )
         return self
 

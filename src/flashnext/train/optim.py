@@ -17,6 +17,8 @@ Parameter groups (by name and shape, see `classify`):
   merger matrices, the position table, the 5-D patch-embedding kernel), `adamw_no_decay` for 1-D ones. AdamW
   is the usual regime for fine-tuning a pretrained ViT, and it needs no 2-D view of the Conv3d-shaped kernel.
   A tower frozen with `freeze_vision()` (`requires_grad=False`) is reported `frozen` and put in no optimizer.
+- n-gram tables frozen with `model.freeze_ngram` (`requires_grad=False`) are reported `frozen` too; tables kept in
+  their stored dtype or read from disk have no parameters at all.
 
 Weight decay follows common practice: decoupled decay (`p *= 1 - lr * weight_decay` per step, in both Muon and
 AdamW) on matrices and tables (ndim >= 2, embeddings and `lm_head` included), none on 1-D parameters, whose scale
@@ -33,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from flashnext.errors import ConfigError
+from flashnext.errors import ConfigError, FieldsError
 from flashnext.muon import ExpertMuon, Muon, batched_newton_schulz  # noqa: F401  (batched_newton_schulz: re-export)
 
 FROZEN, MUON, MUON_EXPERTS = "frozen", "muon", "muon_experts"
@@ -77,8 +79,6 @@ class OptimConfig(BaseModel):
     @model_validator(mode="after")
     def _check_steps(self) -> OptimConfig:
         if self.warmup_steps > self.total_steps:
-            from flashnext.train.config import FieldsError  # config imports this module
-
             raise FieldsError(
                 f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}",
                 ("warmup_steps", "total_steps"),
@@ -127,6 +127,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
         group = classify(name, p)
         if name.startswith("model.visual.") and not p.requires_grad:
             group = FROZEN  # a frozen vision tower (freeze_vision): no optimizer state
+        if ".ngram_embedding." in name and not p.requires_grad:
+            group = FROZEN  # frozen n-gram tables (model.freeze_ngram): no optimizer state
         report[name] = group
         if group == FROZEN:
             p.requires_grad_(False)

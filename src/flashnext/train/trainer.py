@@ -90,7 +90,13 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
     dtype = _DTYPES[cfg.model.dtype]
     distributed = ctx is not None and ctx.distributed
     if cfg.model.path is not None:
-        model = build.from_pretrained(cfg.model.path, dtype=dtype, device="cpu" if distributed else device)
+        storage = cfg.model.ngram_storage
+        if storage == "auto":  # frozen: as stored (FP8 stays FP8); trainable: in `dtype`, FP8 upcast per shard
+            storage = "stored" if cfg.model.freeze_ngram else "dense"
+        model = build.from_pretrained(
+            cfg.model.path, dtype=dtype, device="cpu" if distributed else device, ngram_storage=storage,
+            ngram_resident_mb=cfg.model.ngram_resident_mb,
+        )  # fmt: skip
     else:  # distributed: on meta, materialised shard by shard by parallelize
         text = model_text_config(cfg)
         model = build.build_model(text, seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device)
@@ -103,7 +109,19 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
             seed=None if cfg.model.path is not None else cfg.model.seed,
         )
         model = parallelize(model, ctx.mesh, pcfg)
+    if cfg.model.freeze_ngram:
+        freeze_ngram_tables(model)
     return model.train()
+
+
+def freeze_ngram_tables(model: torch.nn.Module) -> list[str]:
+    """`requires_grad_(False)` on every n-gram table parameter (stored-dtype and on-disk tables have none); returns
+    their names. `build_optimizer` then reports them `frozen` and gives them no optimizer state."""
+    names = [n for n, p in model.named_parameters() if ".ngram_embedding." in n]
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+    return names
 
 
 def load_tokenizer_for(cfg: RunConfig):
