@@ -103,7 +103,7 @@ def test_train_errors_are_one_line_and_status_1(tmp_path, capsys, args, expected
 
 def test_train_error_through_the_console_entry_has_no_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "flashnext.cli", "train", f"--resume={tmp_path}", f"--out_dir={tmp_path / 'run'}"],
+        [sys.executable, "-m", "flashnext", "train", f"--resume={tmp_path}", f"--out_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1

@@ -1,4 +1,4 @@
-"""`torchrun -m flashnext.train` at world size 2 (gloo) takes the same steps as one process, and its sharded
+"""`torchrun -m flashnext train` at world size 2 (gloo) takes the same steps as one process, and its sharded
 checkpoint resumes in one process."""
 
 import json
@@ -32,10 +32,10 @@ def _data(path, n=16, vocab=64, rl=False):
 
 
 def _torchrun_2(args: list[str], out_dir) -> None:
-    """`torchrun --nproc-per-node 2 -m flashnext.train` (gloo) with 2 micro-batches per rank."""
+    """`torchrun --nproc-per-node 2 -m flashnext train` (gloo) with 2 micro-batches per rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "flashnext.train", *args, f"--out_dir={out_dir}",
+           "--master-port", str(free_port()), "-m", "flashnext", "train", *args, f"--out_dir={out_dir}",
            "--data.micro_batches=2"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -115,7 +115,7 @@ def test_serve_process_name_logs_and_busy_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "flashnext.cli", "serve", "--port", str(port), "--threads", "1", "--max-slots", "2"]
+    cmd = [sys.executable, "-m", "flashnext", "serve", "--port", str(port), "--threads", "1", "--max-slots", "2"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen([*cmd, "--served-model-name", "my-model"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip

@@ -111,7 +111,7 @@ def test_torchrun_eval_loss_equals_one_process(small_config, tmp_path):
     expected = one.run()
     args = [a for a in _config_args(small_config, tmp_path / "two", data, *extra) if "micro_batches" not in a]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "flashnext.train", *args, "--data.micro_batches=2"]  # fmt: skip
+           "--master-port", str(_free_port()), "-m", "flashnext", "train", *args, "--data.micro_batches=2"]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = [json.loads(x) for x in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -83,7 +83,7 @@ def test_torchrun_errors_print_once_without_worker_tracebacks(small_config, tmp_
     args = [a for a in _overrides(small_config, tmp_path, data) if not a.startswith("--data.micro_batches")]
     args += [a.replace("BAD", str(tmp_path / "bad.jsonl")) for a in bad]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "flashnext.train", *args]  # fmt: skip
+           "--master-port", str(_free_port()), "-m", "flashnext", "train", *args]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     printed = [line for line in proc.stderr.splitlines() if "flashnext train: error:" in line]

@@ -9,10 +9,10 @@ from test_trainer import _overrides, _write_pretokenized
 
 import flashnext
 from flashnext.batch import PackedBatch
+from flashnext.checkpoint import training
 from flashnext.cli import main as cli_main
 from flashnext.config import parse_config
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
-from flashnext.train import state_io
 from flashnext.train.config import load_run_config
 from flashnext.train.trainer import Trainer
 
@@ -60,5 +60,5 @@ def test_trainer_steps_images_and_converts(small_config, composite_checkpoint, t
     assert cli_main(["convert", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
     back = flashnext.from_pretrained(out)
     assert isinstance(back, FlashNextForConditionalGeneration)
-    state = state_io.load(ckpt)["model"]
+    state = training.load(ckpt)["model"]
     assert all(torch.equal(v, state[k]) for k, v in back.state_dict().items())

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from test_trainer import _config, _overrides, _write_pretokenized
 
+from flashnext.checkpoint import training
+from flashnext.cli.train import main
 from flashnext.errors import CheckpointError
-from flashnext.train import state_io
-from flashnext.train.command import main
 from flashnext.train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -70,8 +70,8 @@ def test_reading_a_damaged_checkpoint_names_the_file(finished_run, damage):
     _, _, root = finished_run
     bad = _damage(damage, root / "step_00000004")
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(bad))} is (unreadable|corrupt)"):
-        state_io.read_checkpoint(root / "step_00000004")
-    state_io.read_checkpoint(root / "step_00000002")  # the other one is fine
+        training.read_checkpoint(root / "step_00000004")
+    training.read_checkpoint(root / "step_00000002")  # the other one is fine
 
 
 @pytest.mark.parametrize("damage", ["state-truncated", "meta-not-json"])
@@ -90,8 +90,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(finished_run
     assert [m["loss"] for m in lines[2:]] == [m["loss"] for m in history[2:]]
     assert lines[3]["eval_loss"] == history[3]["eval_loss"]
     assert (root / "step_00000004.corrupt").is_dir()
-    assert [p.name for p in state_io.list_checkpoints(root)] == ["step_00000002", "step_00000004"]
-    assert state_io.load(root / "step_00000004")["step"] == 4  # the re-run's own, readable
+    assert [p.name for p in training.list_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    assert training.load(root / "step_00000004")["step"] == 4  # the re-run's own, readable
 
 
 def test_no_readable_checkpoint_is_refused_naming_every_bad_file(finished_run, capsys):

@@ -9,9 +9,10 @@ import torch
 from test_trainer import _config, _overrides, _write_pretokenized
 
 import flashnext
+from flashnext.checkpoint import training
+from flashnext.cli.train import main
 from flashnext.errors import ConfigError
-from flashnext.train import run_dir, state_io
-from flashnext.train.command import main
+from flashnext.train import run_dir
 from flashnext.train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def _old_run(out_dir):
     """What a longer earlier run leaves: 3 metric lines, a high-numbered checkpoint, an export with 2 shards."""
     (out_dir / "checkpoints").mkdir(parents=True)
-    state_io.save(out_dir / "checkpoints", 160, {"w": torch.zeros(1)}, {"step": 160}, keep_last=2)
+    training.save(out_dir / "checkpoints", 160, {"w": torch.zeros(1)}, {"step": 160}, keep_last=2)
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
     (out_dir / "final").mkdir()
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"):
@@ -55,7 +56,7 @@ def test_overwrite_clears_the_previous_run_and_keeps_other_files(run_args, tmp_p
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     # keep_last=2 kept the new run's checkpoints (the old step_160 no longer outranks them)
-    assert [p.name for p in state_io.list_checkpoints(out / "checkpoints")] == ["step_00000001", "step_00000002"]
+    assert [p.name for p in training.list_checkpoints(out / "checkpoints")] == ["step_00000001", "step_00000002"]
     assert sorted(p.name for p in (out / "final").iterdir()) == ["config.json", "model.safetensors"]  # no old shard
     assert (out / "notes.txt").read_text() == "mine"
 
@@ -68,7 +69,7 @@ def test_final_is_replaced_whole_and_loads(run_args, tmp_path):
     assert not (out / "final" / "model-00001-of-00009.safetensors").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".final")]
     model = flashnext.from_pretrained(out / "final")
-    state = state_io.load(state_io.latest(out / "checkpoints"))["model"]
+    state = training.load(training.latest(out / "checkpoints"))["model"]
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k in state)
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import flashnext
+from flashnext.checkpoint import training
+from flashnext.cli.train import main
 from flashnext.errors import CheckpointError, ConfigError
-from flashnext.train import state_io
-from flashnext.train.command import main
 from flashnext.train.config import load_run_config, parse_override, toml_literal
 from flashnext.train.loss import count_label_tokens, sft_loss
 from flashnext.train.packing import collate
@@ -144,7 +144,7 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(small_config, tmp_path
     )
     history = full.run()
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
-    ckpts = state_io.list_checkpoints(tmp_path / "a" / "run" / "checkpoints")
+    ckpts = training.list_checkpoints(tmp_path / "a" / "run" / "checkpoints")
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004", "step_00000005"]
 
     resumed = Trainer(
@@ -249,12 +249,12 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (root / ".tmp-step_00000009-1").mkdir(parents=True)  # a save cut short by a crash
     (root / "step_00000007").mkdir()  # no meta.json: incomplete, never listed
     for step in (1, 2, 3):
-        state_io.save(root, step, {"w": torch.full((2,), float(step))}, {"step": step}, keep_last=2)
-    assert [p.name for p in state_io.list_checkpoints(root)] == ["step_00000002", "step_00000003"]
+        training.save(root, step, {"w": torch.full((2,), float(step))}, {"step": step}, keep_last=2)
+    assert [p.name for p in training.list_checkpoints(root)] == ["step_00000002", "step_00000003"]
     assert not list(root.glob(".tmp-*"))
-    assert torch.equal(state_io.load(state_io.latest(root))["w"], torch.full((2,), 3.0))
+    assert torch.equal(training.load(training.latest(root))["w"], torch.full((2,), 3.0))
     with pytest.raises(CheckpointError, match="not a complete training checkpoint"):
-        state_io.load(root / "step_00000007")
+        training.load(root / "step_00000007")
 
 
 def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
@@ -264,7 +264,7 @@ def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
     assert main([*args[:-1], "--train.steps=3", "--resume"]) == 0
     err = capsys.readouterr()
     assert "resumed from" in err.out and "step_00000002" in err.out
-    ckpt = state_io.latest(tmp_path / "run" / "checkpoints")
+    ckpt = training.latest(tmp_path / "run" / "checkpoints")
     assert ckpt.name == "step_00000003"
 
     from flashnext.cli import main as cli_main
@@ -272,7 +272,7 @@ def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
     out = tmp_path / "hf"
     assert cli_main(["convert", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
     model = flashnext.from_pretrained(out)
-    state = state_io.load(ckpt)["model"]
+    state = training.load(ckpt)["model"]
     for k, v in model.state_dict().items():
         if k in state:
             assert torch.equal(v, state[k]), k
@@ -282,7 +282,7 @@ def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
 def test_shipped_run_config_is_valid():
     from pathlib import Path
 
-    from flashnext.train.trainer import model_text_config
+    from flashnext.train.setup import model_text_config
 
     cfg = load_run_config(Path(__file__).parents[2] / "configs" / "tiny-sft.toml")
     assert cfg.data.path is None and cfg.model.config == "tiny" and cfg.optim.total_steps == cfg.train.steps

@@ -56,23 +56,32 @@ def _skip_head(ours: dict[str, torch.Tensor], tie: bool) -> bool:
 
 
 def tensor_entries(model: torch.nn.Module, style: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """(disk key, tensor view) for every tensor to write, in our state_dict order, then buffers, then extras
-    (tables that stay in their files, `ngram_storage="mmap"`, are not among them: `ondisk_table_entries`)."""
-    ours = model.state_dict()
-    skip_head = _skip_head(ours, ties_embeddings(cfg))
+    """(disk key, tensor view) for every tensor of `model` to write (tables that stay in their files,
+    `ngram_storage="mmap"`, are not among them: `ondisk_table_entries`)."""
+    buffers = {k: b for k, b in model.named_buffers() if layout.is_derived_buffer(k)}
+    return state_entries(model.state_dict(), buffers, getattr(model, "extra_tensors", {}), style, cfg)
+
+
+def state_entries(
+    state: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    extra: dict[str, torch.Tensor],
+    style: str,
+    cfg: ModelConfig,
+) -> list[tuple[str, torch.Tensor]]:
+    """(disk key, tensor view) for a state dict in our names, in its order, then the derived n-gram buffers
+    (`buffers`, our names), then `extra` tensors (already disk names) not written yet."""
+    skip_head = _skip_head(state, ties_embeddings(cfg))
     out: list[tuple[str, torch.Tensor]] = []
-    for key, tensor in ours.items():
+    for key, tensor in state.items():
         if layout.is_derived_buffer(key) or (skip_head and key == HEAD):
             continue
         for slot in layout.slots_for(key, tensor.shape, style=style, split_ngram_parts=cfg.text.split_ngram_parts):
             out.append((slot.disk_key, tensor[slot.index]))
-    for key, buf in model.named_buffers():
-        if layout.is_derived_buffer(key):
-            out.append((layout.to_disk_name(key, style), buf))
+    for key, buf in buffers.items():
+        out.append((layout.to_disk_name(key, style), buf))
     written = {k for k, _ in out}
-    for key, tensor in getattr(model, "extra_tensors", {}).items():
-        if key not in written:
-            out.append((key, tensor))
+    out.extend((key, tensor) for key, tensor in extra.items() if key not in written)
     return out
 
 
@@ -149,6 +158,14 @@ def save_pretrained(
     entries = tensor_entries(model, style, cfg) + ondisk_table_entries(
         model, style, cfg.text.split_ngram_parts, directory
     )
+    return write_checkpoint(directory, entries, cfg, max_shard_bytes)
+
+
+def write_checkpoint(
+    directory: Path, entries: list[tuple[str, torch.Tensor]], cfg: ModelConfig, max_shard_bytes: int
+) -> Path:
+    """Write (disk key, tensor) entries as `model.safetensors` or shards + index, and `config.json`; older
+    `model*.safetensors`/index files in `directory` are removed."""
     files = _shard(entries, max_shard_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     names = (

@@ -21,44 +21,7 @@ from torch import nn
 
 from flashnext.batch import Segments, last_rows, prepend_history
 from flashnext.config import TextConfig
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-_LAYER_STRIDE = 10007
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + _GAMMA) & _MASK64
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
-    return (x ^ (x >> 31)) & _MASK64
-
-
-def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
-    """Odd per-position hash multipliers, bounded so `token * m` stays below 2**63."""
-    half = max(1, (((1 << 63) - 1) // max(vocab_size, 1)) // 2)
-    base = seed + _LAYER_STRIDE * ple_index
-    return [2 * (_splitmix64((base + _GAMMA * (j + 1)) & _MASK64) % half) + 1 for j in range(ngram_size)]
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
-
-
-def head_vocab_sizes(base: int, first_head: int, count: int) -> list[int]:
-    """Primes number `first_head + 1 ... first_head + count` strictly above `base - 1`."""
-    sizes, p, found = [], base - 1, 0
-    while len(sizes) < count:
-        p += 1
-        if _is_prime(p):
-            found += 1
-            if found > first_head:
-                sizes.append(p)
-    return sizes
+from flashnext.ngram_hash import hash_constants
 
 
 def context_tokens(ids: torch.Tensor, pos_in_seq: torch.Tensor, eos_id: int, shift: int) -> torch.Tensor:
@@ -89,9 +52,7 @@ class NGramEmbedding(nn.Module):
         self.num_heads = cfg.ngram_heads
         self.eos_id = cfg.eos_id
         self.ple_index = ple_index
-        self._mults = layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
-        self._sizes = head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index * self.num_heads, self.num_heads)
-        self._offsets = [sum(self._sizes[:i]) for i in range(self.num_heads)]
+        self._mults, self._sizes, self._offsets = hash_constants(cfg, ple_index)
         div = cfg.make_ngram_vocab_size_divisible_by
         rows = math.ceil(sum(self._sizes) / div) * div
         self.register_buffer("layer_multipliers", torch.zeros(self.ngram_size, dtype=torch.long), persistent=False)

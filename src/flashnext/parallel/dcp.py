@@ -40,12 +40,13 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
+from flashnext.checkpoint.training import SHARDED_STATE_FILE
 from flashnext.errors import CheckpointError
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
 __all__ = ["save_state", "load_state"]
 
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = SHARDED_STATE_FILE
 _FORMAT = 1
 
 

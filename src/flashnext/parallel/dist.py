@@ -1,10 +1,10 @@
 """Process-group set-up from the `torchrun` environment, and a no-op single-process fallback.
 
-`torchrun --nproc-per-node N -m flashnext.train ...` sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
+`torchrun --nproc-per-node N -m flashnext train ...` sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
 `MASTER_PORT` in every process; `init_distributed()` reads them, picks the backend from the device (NCCL when CUDA
 is available, gloo on CPU), initialises the default process group and a 1-D device mesh over all ranks (the FSDP
 and owner-routed-embedding group). Without those variables it initialises nothing and returns a world of one, so
-the same trainer code runs as a plain `python -m flashnext.train`.
+the same trainer code runs as a plain `python -m flashnext train`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ resumed run repeats the uninterrupted run's losses bit for bit on CPU.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -24,161 +23,27 @@ from typing import Any
 import torch
 
 from flashnext.batch import PackedBatch, make_segments, next_token_targets
-from flashnext.config import TextConfig, load_config, parse_config, tiny_config_dict
-from flashnext.errors import CheckpointError, ConfigError, InputError
+from flashnext.checkpoint import training as ckpt
+from flashnext.config import TextConfig
+from flashnext.errors import CheckpointError, ConfigError
 from flashnext.parallel.dist import DistContext, init_distributed
 from flashnext.train import run_dir
-from flashnext.train import state_io as ckpt
 from flashnext.train.config import RunConfig
-from flashnext.train.data import Example, ModelLimits, load_jsonl
-from flashnext.train.evaluation import Evaluator, split_eval
+from flashnext.train.data import ModelLimits
+from flashnext.train.evaluation import Evaluator
 from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, sft_loss, token_logprobs
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
-    """Sum host numbers over ranks (identity in a single process)."""
-    if not ctx.distributed:
-        return values
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but CUDA is not available")
-    return dev
-
-
-def model_text_config(cfg: RunConfig) -> TextConfig:
-    """The text config the run builds (from the checkpoint, the named config, or the embedded tiny default)."""
-    section = cfg.model
-    if section.path is not None:
-        return load_config(section.path).text
-    if section.config == "tiny":
-        raw = tiny_config_dict()
-    else:
-        raw = load_config(section.config).to_dict() if Path(section.config).exists() else None
-        if raw is None:
-            raise ConfigError(f"model.config={section.config!r} is neither 'tiny' nor an existing path")
-    if "text_config" in raw:
-        raw = raw["text_config"]
-    unknown = sorted(set(section.overrides) - set(TextConfig.__dataclass_fields__) - set(raw))
-    if unknown:
-        raise ConfigError(f"model.overrides: unknown config field(s) {unknown}")
-    return parse_config({**raw, **section.overrides}).text
-
-
-def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = None) -> torch.nn.Module:
-    """The model of a run: loaded from `model.path`, or built and randomly initialised from `model.seed`.
-
-    With a process group the model is handed to `parallelize` (owner-routed n-gram tables, activation
-    checkpointing, compile, FSDP2): a random init is built on `meta` and only local shards are materialised.
-    """
-    from flashnext import build
-
-    dtype = _DTYPES[cfg.model.dtype]
-    distributed = ctx is not None and ctx.distributed
-    if cfg.model.path is not None:
-        storage = cfg.model.ngram_storage
-        if storage == "auto":  # frozen: as stored (FP8 stays FP8); trainable: in `dtype`, FP8 upcast per shard
-            storage = "stored" if cfg.model.freeze_ngram else "dense"
-        model = build.from_pretrained(
-            cfg.model.path, dtype=dtype, device="cpu" if distributed else device, ngram_storage=storage,
-            ngram_resident_mb=cfg.model.ngram_resident_mb,
-        )  # fmt: skip
-    else:  # distributed: on meta, materialised shard by shard by parallelize
-        text = model_text_config(cfg)
-        model = build.build_model(text, seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device)
-    if distributed:
-        from flashnext.parallel import ParallelConfig, parallelize
-
-        pcfg = ParallelConfig(
-            ac=cfg.train.activation_checkpointing,
-            compile=cfg.train.compile,
-            seed=None if cfg.model.path is not None else cfg.model.seed,
-        )
-        model = parallelize(model, ctx.mesh, pcfg)
-    if cfg.model.freeze_ngram:
-        freeze_ngram_tables(model)
-    return model.train()
-
-
-def freeze_ngram_tables(model: torch.nn.Module) -> list[str]:
-    """`requires_grad_(False)` on every n-gram table parameter (stored-dtype and on-disk tables have none); returns
-    their names. `build_optimizer` then reports them `frozen` and gives them no optimizer state."""
-    names = [n for n, p in model.named_parameters() if ".ngram_embedding." in n]
-    for name, p in model.named_parameters():
-        if name in names:
-            p.requires_grad_(False)
-    return names
-
-
-def load_tokenizer_for(cfg: RunConfig):
-    """The run's tokenizer: `model.tokenizer`, else the checkpoint's files, else the bundled tiny tokenizer."""
-    from flashnext.tokenizer import load_tokenizer
-
-    if cfg.model.tokenizer is not None:
-        return load_tokenizer(cfg.model.tokenizer)
-    if cfg.model.path is not None and (Path(cfg.model.path) / "tokenizer.json").exists():
-        return load_tokenizer(cfg.model.path)
-    return load_tokenizer(None)
-
-
-def load_examples(
-    cfg: RunConfig, tokenizer, limits: ModelLimits | None = None
-) -> tuple[list[Example], list[Example] | None]:
-    """(training examples, held-out examples or None) as `data` says; every id checked against `limits`."""
-    if cfg.data.path is not None:
-        path = Path(cfg.data.path)
-    else:
-        from flashnext.tokenizer import bundled_sft_path
-
-        path = bundled_sft_path()
-    examples = _read_examples(path, "data.path", cfg, tokenizer, limits)
-    if cfg.data.eval_path is not None:
-        return examples, _read_examples(Path(cfg.data.eval_path), "data.eval_path", cfg, tokenizer, limits)
-    if cfg.data.eval_fraction:
-        return split_eval(examples, cfg.data.eval_fraction, cfg.data.seed)
-    return examples, None
-
-
-def _read_examples(path: Path, field: str, cfg: RunConfig, tokenizer, limits: ModelLimits | None) -> list[Example]:
-    if not path.is_file():
-        problem = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
-        raise ConfigError(f"{field}={str(path)!r} {problem}")
-    examples = load_jsonl(path, tokenizer, add_eos=cfg.data.add_eos, limits=limits)
-    if not examples:
-        raise InputError(f"{path}: no examples")
-    return examples
-
-
-def needs_tokenizer(cfg: RunConfig) -> bool:
-    """Pre-tokenized data needs no tokenizer; text data (in `data.path` or `data.eval_path`) and the bundled
-    corpus do."""
-    if cfg.data.path is None:
-        return True
-    for path in (cfg.data.path, cfg.data.eval_path):
-        if path is None:
-            continue
-        try:
-            with open(path, "rb") as f:
-                line = next((raw for raw in f if raw.strip()), None)
-            if line is not None and "input_ids" not in json.loads(line):
-                return True
-        except (OSError, ValueError, TypeError):
-            return True  # let the loader report the file or line
-    return False
+from flashnext.train.setup import (
+    DTYPES,
+    all_reduce_sum,
+    build_model,
+    load_examples,
+    load_tokenizer_for,
+    needs_tokenizer,
+    resolve_device,
+)
 
 
 class Trainer:
@@ -193,17 +58,30 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext | None = None, say=print):
         self.cfg, self.ctx = cfg, ctx or init_distributed(device="cpu")
         self.say = say if self.ctx.is_main else (lambda *a, **k: None)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        torch.manual_seed(cfg.train.seed)
-        random.seed(cfg.train.seed)
+        self._seed_threads()
         self.device = self.ctx.device if self.ctx.distributed else resolve_device(cfg.train.device)
         self.out_dir = Path(cfg.out_dir)
-
         self.model = build_model(cfg, self.device, self.ctx)
         self.text_config: TextConfig = self.model.config
         self.tokenizer = load_tokenizer_for(cfg) if needs_tokenizer(cfg) else None
         self._check_vocab()
+        self._build_data()
+        self._wrap_model()
+        self._build_optimizers()
+        self.step = 0
+        self.tokens_seen = 0
+        self.peak_flops = None
+
+    def _seed_threads(self) -> None:
+        """Threads and the torch/python seeds of the run (the data order has its own seed)."""
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+        torch.manual_seed(self.cfg.train.seed)
+        random.seed(self.cfg.train.seed)
+
+    def _build_data(self) -> None:
+        """The examples (checked against the model at load), the packed loader and the held-out evaluator."""
+        cfg = self.cfg
         examples, held_out = load_examples(cfg, self.tokenizer, ModelLimits.of(self.text_config))
         self.cost_fn = flop_cost(self.text_config)
         self.loader = PackedLoader(
@@ -222,23 +100,27 @@ class Trainer:
         if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
-        if cfg.train.compile and not self.ctx.distributed:  # parallelize applied both otherwise
+    def _wrap_model(self) -> None:
+        """Compile, then activation checkpointing, in one process (`parallelize` applied both under torchrun)."""
+        if self.ctx.distributed:
+            return
+        if self.cfg.train.compile:
             from flashnext.compile import compile_model
 
             compile_model(self.model)  # before checkpointing: it compiles the plain layers
-        if cfg.train.activation_checkpointing and not self.ctx.distributed:
+        if self.cfg.train.activation_checkpointing:
             from flashnext.activation_checkpoint import apply_activation_checkpointing
 
             apply_activation_checkpointing(self.model)
-        self.optimizers, self.param_groups = build_optimizer(self.model, cfg.optim)
+
+    def _build_optimizers(self) -> None:
+        """Muon / per-expert Muon / AdamW groups (shard-aware under FSDP2) and their schedule."""
+        self.optimizers, self.param_groups = build_optimizer(self.model, self.cfg.optim)
         if self.ctx.distributed:
             from flashnext.parallel import shard_aware_optimizers
 
             shard_aware_optimizers(self.optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
-        self.schedulers = Schedulers(self.optimizers, cfg.optim)
-        self.step = 0
-        self.tokens_seen = 0
-        self.peak_flops = None
+        self.schedulers = Schedulers(self.optimizers, self.cfg.optim)
 
     def warn(self, message: str) -> None:
         """A warning line on stderr (rank 0 only)."""
@@ -397,10 +279,8 @@ class Trainer:
 
     def load_checkpoint(self, path: Path, state: dict[str, Any] | None = None) -> None:
         """Restore a checkpoint of either format (a sharded one at any world size, including a single process);
-        `state`: the single-process `state.pt` already read by `state_io.read_checkpoint`."""
-        from flashnext.parallel.dcp import STATE_FILE as SHARDED_STATE
-
-        if (Path(path) / SHARDED_STATE).exists():
+        `state`: the single-process `state.pt` already read by `checkpoint.training.read_checkpoint`."""
+        if (Path(path) / ckpt.SHARDED_STATE_FILE).exists():
             from flashnext.parallel import load_state
 
             self.load_trainer_state(load_state(path, self.model, self.optimizers))
@@ -495,7 +375,7 @@ class Trainer:
     def _announce(self) -> None:
         cfg = self.cfg
         if cfg.log.peak_flops == "measure":
-            self.peak_flops = measure_peak_flops(self.device, _DTYPES[cfg.model.dtype])
+            self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.model.dtype])
         else:
             self.peak_flops = float(cfg.log.peak_flops)
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -583,27 +463,3 @@ def _model_config_dict(model: torch.nn.Module) -> dict:
     if composite is not None and composite.vision_config is not None:
         return composite.to_dict()
     return model.config.to_dict()
-
-
-def convert_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a training checkpoint's model in the official Hugging Face layout (+ the run's tokenizer files)."""
-    from flashnext.model.multimodal import FlashNextForConditionalGeneration
-    from flashnext.model.text import FlashNextForCausalLM
-
-    meta = ckpt.load_meta(checkpoint)
-    state = ckpt.load(checkpoint)["model"]
-    cfg = parse_config(meta["model_config"])
-    with torch.device("meta"):
-        model = FlashNextForConditionalGeneration(cfg) if cfg.vision_config else FlashNextForCausalLM(cfg.text)
-    model.to_empty(device="cpu")
-    model.reset_buffers()
-    model.to(next(iter(state.values())).dtype)
-    model.load_state_dict(state)
-    out = Path(out)
-    model.save_pretrained(out)
-    run = RunConfig.model_validate(meta["run_config"])
-    try:
-        load_tokenizer_for(run).save(out)
-    except (ImportError, ConfigError, OSError):
-        pass  # a run on pre-tokenized data may have no tokenizer
-    return out

@@ -26,6 +26,7 @@ import torch
 from flashnext.errors import CheckpointError
 
 STATE_FILE, META_FILE = "state.pt", "meta.json"
+SHARDED_STATE_FILE = "trainer_state.pt"  # a sharded (DCP, `parallel.dcp`) checkpoint's non-tensor state
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -139,11 +140,9 @@ def load_meta(path: str | Path) -> dict[str, Any]:
 def read_checkpoint(path: Path) -> dict[str, Any] | None:
     """Read what can be checked before a checkpoint is applied: `meta.json`, and `state.pt` (returned) or the
     sharded format's `trainer_state.pt`; raises `CheckpointError` naming the file that cannot be read."""
-    from flashnext.parallel.dcp import STATE_FILE as SHARDED_STATE
-
     load_meta(path)
-    if (Path(path) / SHARDED_STATE).exists():  # the tensors' own files are read (and checked) by DCP's load
-        read_torch_file(Path(path) / SHARDED_STATE, weights_only=False)
+    if (Path(path) / SHARDED_STATE_FILE).exists():  # the tensors' own files are read (and checked) by DCP's load
+        read_torch_file(Path(path) / SHARDED_STATE_FILE, weights_only=False)
         return None
     return load(path)
 

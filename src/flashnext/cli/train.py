@@ -1,15 +1,17 @@
-"""`flashnext train` / `python -m flashnext.train` (also under torchrun): arguments, start-up checks, exit status."""
+"""`flashnext train` (also `python -m flashnext train`, and under torchrun `torchrun ... -m flashnext train`):
+arguments, start-up checks, exit status; and `flashnext plot RUN_DIR`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from flashnext.errors import ConfigError, FlashNextError
-from flashnext.parallel.dist import destroy_distributed, init_distributed
-from flashnext.train import run_dir
-from flashnext.train.config import RunConfig
-from flashnext.train.trainer import Trainer, resolve_device
+
+if TYPE_CHECKING:
+    from flashnext.train.config import RunConfig
 
 USAGE = """usage: flashnext train [--config RUN.toml] [--resume [latest|DIR] | --overwrite] [--print-config]
                        [--SECTION.FIELD=V ...]
@@ -64,7 +66,7 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `flashnext train` and `python -m flashnext.train` (also under torchrun).
+    """Entry point of `flashnext train` and `python -m flashnext train` (also under torchrun).
 
     Every flashnext error (config, data, checkpoint), a missing file and a non-finite loss end the run with one
     line on stderr (once per job under torchrun: `failure.report_fatal`) and exit status 1, no traceback.
@@ -77,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         if print_config:
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
+        from flashnext.parallel.dist import destroy_distributed, init_distributed  # the trainer's imports: only here
+        from flashnext.train import run_dir
+        from flashnext.train.setup import resolve_device
+        from flashnext.train.trainer import Trainer
+
         # before any process-group work, so every rank refuses alike and nobody waits in a rendezvous
         run_dir.check_out_dir(cfg.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
         # under torchrun: one process group over every rank (gloo on CPU, NCCL on CUDA); else a single process
@@ -88,3 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         report_fatal(str(e))
         return 1
     return 0
+
+
+def _add_plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's out_dir (holding metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
+
+
+def run_plot(args: argparse.Namespace) -> None:
+    from flashnext.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(f"wrote {path}")

@@ -1,0 +1,64 @@
+"""A training checkpoint (`checkpoints/step_N`: `state.pt` + `meta.json`) -> the official Hugging Face layout.
+
+Tensor by tensor from the state dict, without building the model: the weights are written under their disk names
+(`save.state_entries`), the n-gram hash buffers the layout stores are derived from the config (`ngram_hash`), and
+the run's tokenizer files are copied beside them. `flashnext convert` calls `convert_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flashnext.checkpoint import layout, training
+from flashnext.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, state_entries, write_checkpoint
+from flashnext.config import ModelConfig, parse_config
+from flashnext.errors import CheckpointError, ConfigError
+from flashnext.ngram_hash import hash_constants
+
+
+def ngram_buffers(cfg: ModelConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """The derived n-gram buffers of every PLE layer, by our names (`{prefix}layers.{L}.ple.ple_embedding.*`)."""
+    text = cfg.text
+    out = {}
+    for ple_index, one_based in enumerate(text.ple_layer_ids):
+        base = f"{prefix}layers.{one_based - 1}.ple.ple_embedding."
+        values = hash_constants(text, ple_index)
+        for name, v in zip(layout.DERIVED_BUFFERS, values, strict=True):
+            out[base + name] = torch.tensor(v, dtype=torch.long)
+    return out
+
+
+def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write a single-process training checkpoint's model in the official layout (+ the run's tokenizer files).
+
+    Raises:
+        CheckpointError: the checkpoint is unreadable, or holds no model state.
+    """
+    meta = training.load_meta(checkpoint)
+    state = training.load(checkpoint).get("model")
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{str(checkpoint)!r} holds no model state (state.pt has no 'model' entry)")
+    cfg = parse_config(meta["model_config"])
+    style = layout.model_style(state) or layout.TEXT
+    prefix = "model.language_model." if style == layout.MULTIMODAL else "model."
+    entries = state_entries(state, ngram_buffers(cfg, prefix), {}, style, cfg)
+    out = write_checkpoint(Path(out), entries, cfg, max_shard_bytes)
+    _copy_tokenizer(meta.get("run_config", {}).get("model", {}), out)
+    return out
+
+
+def _copy_tokenizer(model_section: dict, out: Path) -> None:
+    """The run's tokenizer (`model.tokenizer`, else the checkpoint it started from, else the bundled one), if any
+    loads: a run on pre-tokenized data may have none."""
+    from flashnext.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    source = model_section.get("tokenizer")
+    path = model_section.get("path")
+    if source is None and path is not None and (Path(path) / TOKENIZER_FILE).exists():
+        source = path
+    try:
+        load_tokenizer(source).save(out)
+    except (ImportError, ConfigError, OSError):
+        pass

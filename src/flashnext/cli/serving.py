@@ -1,0 +1,168 @@
+"""`flashnext serve` (the OpenAI-compatible server) and `flashnext generate` (one prompt, no server)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+import time
+
+import torch
+
+from flashnext.cli.common import DTYPES as _DTYPES
+from flashnext.errors import FlashNextError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint dir (default: the tiny model, seeded random weights)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default float32)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
+    p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    _add_ngram_storage_args(p)
+
+
+def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
+    from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB
+    from flashnext.checkpoint.ngram_tables import STORAGES
+
+    p.add_argument(
+        "--ngram-storage", choices=STORAGES, default="auto",
+        help="n-gram tables: auto (FP8 stays FP8, else the model dtype), dense (model dtype), stored (as on disk), "
+        "mmap (rows read from the checkpoint files on demand), nf4 (4-bit rows, quantised at load) (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ngram-resident-mb", type=float, default=DEFAULT_RESIDENT_MB, metavar="MB",
+        help=f"with --ngram-storage mmap: MiB of rows cached in memory per table (default {DEFAULT_RESIDENT_MB})",
+    )  # fmt: skip
+
+
+def _build_engine(args: argparse.Namespace):
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.loading import load_for_serving
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, name = load_for_serving(
+        args.model, _DTYPES[args.dtype], args.seed, ngram_storage=args.ngram_storage,
+        ngram_resident_mb=args.ngram_resident_mb,
+    )  # fmt: skip
+    engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens)
+    return engine, name
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from flashnext.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES
+
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: the --model dir's name, or flashnext-tiny)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES} = 8 MiB)",
+    )
+
+
+def _listen_socket(host: str, port: int):
+    """A socket bound to host:port (before anything is announced); `FlashNextError` naming them if it cannot be."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise FlashNextError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT at once
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (is another server running there? choose one with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise FlashNextError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
+def _serve_app(args: argparse.Namespace):
+    """(FastAPI app, served model name, engine) for `flashnext serve`'s arguments."""
+    from flashnext.serve.server import build_app
+
+    if args.max_request_bytes < 1:
+        raise FlashNextError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    engine, name = _build_engine(args)
+    name = args.served_model_name or name
+    app = build_app(engine, name, args.api_key, model_dir=args.model, max_request_bytes=args.max_request_bytes)
+    return app, name, engine
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    sock = _listen_socket(args.host, args.port)  # a port in use fails here, before any "serving" line
+    try:
+        app, name, engine = _serve_app(args)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
+        print(f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots})", flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--prompt", default="Hello", help="prompt text (default 'Hello')")
+    p.add_argument("--ids", default=None, help="comma-separated prompt token ids instead of --prompt")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message (chat template); stop at <|im_end|>"
+    )
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of the sampler")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from flashnext.serve.loading import end_of_turn_ids
+    from flashnext.serve.sampling import SamplingParams
+
+    engine, _ = _build_engine(args)
+    tok = engine.tokenizer
+    stop_ids = []
+    if args.ids is not None:
+        try:
+            prompt = [int(x) for x in args.ids.split(",") if x.strip()]
+        except ValueError:
+            raise FlashNextError(f"--ids must be comma-separated ints, got {args.ids!r}") from None
+    elif args.chat:
+        if tok is None:
+            raise FlashNextError("--chat needs a tokenizer in the checkpoint")
+        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        stop_ids = end_of_turn_ids(tok)  # the assistant's turn ends there, as on the server's chat endpoint
+    else:
+        prompt = args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sample_seed, stop_token_ids=stop_ids,
+    )  # fmt: skip
+    start = time.perf_counter()
+    out = engine.generate([prompt], params)[0]
+    seconds = time.perf_counter() - start
+    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    print(
+        f"# {len(out.token_ids)} tokens in {seconds:.2f}s, finish_reason={out.finish_reason}, ids={out.token_ids}",
+        file=sys.stderr,
+    )

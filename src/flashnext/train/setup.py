@@ -1,0 +1,160 @@
+"""What a training run is built from: the device, the model (built, or loaded and maybe frozen), its tokenizer and
+its examples (train and held-out), each checked against the model before step 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flashnext.config import TextConfig, load_config, parse_config, tiny_config_dict
+from flashnext.errors import ConfigError, InputError
+from flashnext.parallel.dist import DistContext
+from flashnext.train.config import RunConfig
+from flashnext.train.data import Example, ModelLimits, load_jsonl
+from flashnext.train.evaluation import split_eval
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
+    """Sum host numbers over ranks (identity in a single process)."""
+    if not ctx.distributed:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available")
+    return dev
+
+
+def model_text_config(cfg: RunConfig) -> TextConfig:
+    """The text config the run builds (from the checkpoint, the named config, or the embedded tiny default)."""
+    section = cfg.model
+    if section.path is not None:
+        return load_config(section.path).text
+    if section.config == "tiny":
+        raw = tiny_config_dict()
+    else:
+        raw = load_config(section.config).to_dict() if Path(section.config).exists() else None
+        if raw is None:
+            raise ConfigError(f"model.config={section.config!r} is neither 'tiny' nor an existing path")
+    if "text_config" in raw:
+        raw = raw["text_config"]
+    unknown = sorted(set(section.overrides) - set(TextConfig.__dataclass_fields__) - set(raw))
+    if unknown:
+        raise ConfigError(f"model.overrides: unknown config field(s) {unknown}")
+    return parse_config({**raw, **section.overrides}).text
+
+
+def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = None) -> torch.nn.Module:
+    """The model of a run: loaded from `model.path`, or built and randomly initialised from `model.seed`.
+
+    With a process group the model is handed to `parallelize` (owner-routed n-gram tables, activation
+    checkpointing, compile, FSDP2): a random init is built on `meta` and only local shards are materialised.
+    """
+    from flashnext import build
+
+    dtype = DTYPES[cfg.model.dtype]
+    distributed = ctx is not None and ctx.distributed
+    if cfg.model.path is not None:
+        storage = cfg.model.ngram_storage
+        if storage == "auto":  # frozen: as stored (FP8 stays FP8); trainable: in `dtype`, FP8 upcast per shard
+            storage = "stored" if cfg.model.freeze_ngram else "dense"
+        model = build.from_pretrained(
+            cfg.model.path, dtype=dtype, device="cpu" if distributed else device, ngram_storage=storage,
+            ngram_resident_mb=cfg.model.ngram_resident_mb,
+        )  # fmt: skip
+    else:  # distributed: on meta, materialised shard by shard by parallelize
+        text = model_text_config(cfg)
+        model = build.build_model(text, seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device)
+    if distributed:
+        from flashnext.parallel import ParallelConfig, parallelize
+
+        pcfg = ParallelConfig(
+            ac=cfg.train.activation_checkpointing,
+            compile=cfg.train.compile,
+            seed=None if cfg.model.path is not None else cfg.model.seed,
+        )
+        model = parallelize(model, ctx.mesh, pcfg)
+    if cfg.model.freeze_ngram:
+        freeze_ngram_tables(model)
+    return model.train()
+
+
+def freeze_ngram_tables(model: torch.nn.Module) -> list[str]:
+    """`requires_grad_(False)` on every n-gram table parameter (stored-dtype and on-disk tables have none); returns
+    their names. `build_optimizer` then reports them `frozen` and gives them no optimizer state."""
+    names = [n for n, p in model.named_parameters() if ".ngram_embedding." in n]
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+    return names
+
+
+def load_tokenizer_for(cfg: RunConfig):
+    """The run's tokenizer: `model.tokenizer`, else the checkpoint's files, else the bundled tiny tokenizer."""
+    from flashnext.tokenizer import load_tokenizer
+
+    if cfg.model.tokenizer is not None:
+        return load_tokenizer(cfg.model.tokenizer)
+    if cfg.model.path is not None and (Path(cfg.model.path) / "tokenizer.json").exists():
+        return load_tokenizer(cfg.model.path)
+    return load_tokenizer(None)
+
+
+def load_examples(
+    cfg: RunConfig, tokenizer, limits: ModelLimits | None = None
+) -> tuple[list[Example], list[Example] | None]:
+    """(training examples, held-out examples or None) as `data` says; every id checked against `limits`."""
+    if cfg.data.path is not None:
+        path = Path(cfg.data.path)
+    else:
+        from flashnext.tokenizer import bundled_sft_path
+
+        path = bundled_sft_path()
+    examples = _read_examples(path, "data.path", cfg, tokenizer, limits)
+    if cfg.data.eval_path is not None:
+        return examples, _read_examples(Path(cfg.data.eval_path), "data.eval_path", cfg, tokenizer, limits)
+    if cfg.data.eval_fraction:
+        return split_eval(examples, cfg.data.eval_fraction, cfg.data.seed)
+    return examples, None
+
+
+def _read_examples(path: Path, field: str, cfg: RunConfig, tokenizer, limits: ModelLimits | None) -> list[Example]:
+    if not path.is_file():
+        problem = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{field}={str(path)!r} {problem}")
+    examples = load_jsonl(path, tokenizer, add_eos=cfg.data.add_eos, limits=limits)
+    if not examples:
+        raise InputError(f"{path}: no examples")
+    return examples
+
+
+def needs_tokenizer(cfg: RunConfig) -> bool:
+    """Pre-tokenized data needs no tokenizer; text data (in `data.path` or `data.eval_path`) and the bundled
+    corpus do."""
+    if cfg.data.path is None:
+        return True
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                line = next((raw for raw in f if raw.strip()), None)
+            if line is not None and "input_ids" not in json.loads(line):
+                return True
+        except (OSError, ValueError, TypeError):
+            return True  # let the loader report the file or line
+    return False
