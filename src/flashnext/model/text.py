@@ -226,7 +226,11 @@ class FlashNextForCausalLM(nn.Module):
 
 
 def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
-    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
+    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D].
+
+    A static step returns every entry's row, padding included ([N, V]; the caller drops the padding rows)."""
+    if step.static:
+        return linear(hidden, lm_head.weight, lm_head.bias, fused=True, contiguous=False)
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
         hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))
