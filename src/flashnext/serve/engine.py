@@ -13,6 +13,10 @@ n choices (`SamplingParams.n`): the prompt is prefilled once, in the parent's sl
 the parent's state is copied into the n-1 slots its children reserved at admission (`StateCache.copy_slot`) and
 every choice samples its first token from the same logits row with its own generator (`choice_seed`).
 
+Decode graph (`decode_graph=True`): a decode-only step (every entry one token past its prefilled prompt, no
+MRoPE) runs as `serve.decode_graph.DecodeGraph`'s fixed-shape step, compiled (CPU) or captured (CUDA) once per
+batch bucket; every other step stays eager. Its logits are the eager step's to float rounding (tested).
+
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
 - a step whose model forward raises may have written part of every involved slot's state (the layers update the
@@ -52,6 +56,7 @@ from flashnext.errors import InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.model.state import make_step
 from flashnext.serve.cache import StateCache
+from flashnext.serve.decode_graph import DecodeGraph, decode_only
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
@@ -72,6 +77,10 @@ class Engine:
         max_slots: concurrent sequences (cache slots).
         max_model_len: longest prompt + generation.
         max_num_batched_tokens: token budget of one step (decodes first, then prompt chunks).
+        decode_graph: run decode-only steps as the compiled (CPU) / captured (CUDA) fixed-shape step of
+            `serve.decode_graph` (prefill stays eager); False: every step eager.
+        decode_buckets: the batch sizes decode steps are padded to (default `decode_graph.DEFAULT_BUCKETS`).
+        compile_backend: torch.compile backend of the CPU decode graph ("inductor").
     """
 
     def __init__(
@@ -81,6 +90,9 @@ class Engine:
         max_slots: int = 16,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
+        decode_graph: bool = False,
+        decode_buckets: Sequence[int] | None = None,
+        compile_backend: str = "inductor",
     ):
         self.model = prepare_for_inference(model)
         self.config = model.config
@@ -103,6 +115,9 @@ class Engine:
         self._finished: list[Request] = []  # finished during the current step
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.decode_graph = None
+        if decode_graph:  # decode-only steps as one compiled / captured graph per batch bucket
+            self.decode_graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -237,7 +252,14 @@ class Engine:
         return done
 
     def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
-        """Logits [entries that sampled.., V] of one `forward_step` over the plan's stream."""
+        """Logits [entries that sampled.., V] of one `forward_step` over the plan's stream (a decode-only step: of
+        the decode graph, when the engine has one)."""
+        if self.decode_graph is not None and decode_only(plan):
+            with torch.inference_mode():
+                return self.decode_graph.run(
+                    [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
+                    [req.num_cached for req, _ in plan],
+                )  # fmt: skip
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n)
