@@ -53,7 +53,13 @@ DECODE_GRAPH = dict(decode_graph=True, decode_buckets=[3], compile_backend="aot_
     ("overrides", "engine_kwargs"),
     [
         pytest.param({}, {}, id="tiny"),
-        pytest.param({}, DECODE_GRAPH, id="tiny-decode-graph"),
+        pytest.param(
+            {},
+            DECODE_GRAPH,
+            id="tiny-decode-graph",
+            # "tiny" holds the eager engine to the reference, tests/serve/test_decode_graph.py the graph to the eager
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             {"hc_count": 3, "num_key_value_heads": 1, "ple_layer_ids": [1, 3]},
             {},

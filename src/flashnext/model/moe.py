@@ -61,16 +61,36 @@ class Experts(nn.Module):
         """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D].
 
         `fused`: serving GEMM layouts. `static` (a static serving step, `model.state.make_decode_step`): no shape
-        may depend on the routing, so more assignments than the gather path takes run every expert (`_dense`).
+        may depend on the routing, so more assignments than the gather path takes run every expert (`_dense`), or,
+        in fp32 inside a compiled graph on CPU, each assignment's expert read in place (`_reduced`).
         """
         T, k = experts.shape
         flat_e = experts.flatten()
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
         if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
             return self._gathered(x, flat_e, weights, fused)
+        if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
+            return self._reduced(x, flat_e, weights)
         if static:
             return self._dense(x, experts, weights)
         return self._grouped(x, flat_e, weights, fused)
+
+    def _reduced(self, x, flat_e, weights):
+        """Each assignment's expert applied as products summed over the input dim, its weights indexed in place.
+
+        Written for inductor (fp32, CPU, inside a compiled static step): it fuses the weight gather into the
+        reduction, reading each assignment's expert rows where they lie, with neither a copy nor the every-expert
+        FLOPs of `_dense`. Measured at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread: 0.37 ms
+        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM); in bf16 `_dense` wins (oneDNN's bf16 dot
+        products: 0.69 against 0.93 ms), and run eagerly this would materialise [A, 2I, D] products.
+        """
+        T, k = weights.shape
+        token = torch.arange(flat_e.numel(), device=x.device) // k
+        xa = x.index_select(0, token)  # [A, D]
+        gate, up = (self.gate_up_proj[flat_e] * xa[:, None, :]).sum(-1).chunk(2, dim=-1)  # [A, I] each
+        h = F.silu(gate) * up
+        out = (self.down_proj[flat_e] * h[:, None, :]).sum(-1) * weights.reshape(-1, 1)  # [A, D]
+        return out.view(T, k, -1).sum(1)
 
     def _dense(self, x, experts, weights):
         """Every expert on every token, outputs summed with the routing weights (0 for an unchosen expert).
