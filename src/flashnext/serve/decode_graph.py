@@ -59,8 +59,12 @@ def bucket_sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
 
 def decode_only(plan) -> bool:
     """Whether an engine plan [(request, tokens)] is a decode-only step the graph can run: one token per request,
-    every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table)."""
-    return all(n == 1 and req.num_cached >= len(req.prompt_ids) and req.mrope is None for req, n in plan)
+    every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table), no
+    speculative drafts riding along."""
+    return all(
+        n == 1 and req.num_cached >= len(req.prompt_ids) and req.mrope is None and not getattr(req, "drafts", None)
+        for req, n in plan
+    )
 
 
 class DecodeGraph:
@@ -117,14 +121,20 @@ class DecodeGraph:
         """The smallest bucket holding n entries (None: more than the largest)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    @torch.no_grad()
     def run(self, ids: list[int], slots: list[int], cached: list[int]) -> torch.Tensor:
         """One decode step of n entries (token `ids[i]` into slot `slots[i]` after `cached[i]` tokens).
+
+        Runs in inference mode whatever the caller's mode (the graphs are compiled for it: one mode, no
+        recompile).
 
         Returns:
             logits [n, V] of the entries in order (the padding rows dropped; a view into the graph's output, valid
             until the next `run`).
         """
+        with torch.inference_mode():
+            return self._run(ids, slots, cached)
+
+    def _run(self, ids: list[int], slots: list[int], cached: list[int]) -> torch.Tensor:
         n = len(ids)
         N = self.bucket(n)
         if N is None:
@@ -155,17 +165,7 @@ class DecodeGraph:
         return dict(self.compile_seconds)
 
     def _warm(self, N: int) -> None:
-        scratch = self.cache.scratch_slot
-        with torch.inference_mode():
-            start = time.perf_counter()
-            ids = torch.zeros(N, dtype=torch.long, device=self.device)
-            slots = torch.full((N,), scratch, dtype=torch.long, device=self.device)
-            fused.refresh(self.groups)
-            if self.cuda:
-                self._replay(N, ids, slots, torch.zeros_like(ids))
-            else:
-                self._compiled(ids, slots, torch.zeros_like(ids))
-            self.compile_seconds[N] = time.perf_counter() - start
+        self.run([0] * N, [self.cache.scratch_slot] * N, [0] * N)  # padding entries only: the scratch slot
 
     def _replay(self, N: int, ids, slots, cached) -> torch.Tensor:
         """CUDA: replay bucket N's graph (captured first, or again if a parameter moved to a new address)."""
