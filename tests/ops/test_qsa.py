@@ -40,6 +40,19 @@ def test_selection_matches_reference(lens, quantize, monkeypatch):
     assert _as_sets(sel, ok) == select_tokens_ref(idx_q, keys, starts, seg.seq_start, ratio, topk)
 
 
+@pytest.mark.parametrize("q_offset", [0, 13, 40])
+def test_selection_of_a_slice_of_queries(q_offset, monkeypatch):
+    """`q_offset` (context parallelism): queries that are rows q_offset.. of the stream select what those rows of
+    the whole stream select."""
+    lens = [9, 30, 1, 20]
+    seg, idx_q, keys, starts = _case(lens, quantize=True)
+    monkeypatch.setattr(qsa, "SCORE_BUDGET", 64)
+    sel, ok = qsa.select_tokens(idx_q, keys, starts, seg, 4, 3)
+    rows = slice(q_offset, q_offset + 12)
+    part = qsa.select_tokens(idx_q[rows], keys, starts, seg, 4, 3, q_offset=q_offset)
+    assert _as_sets(*part) == _as_sets(sel[rows], ok[rows])
+
+
 def test_tie_rule_prefers_later_block():
     """All-zero scores: every block ties, so the latest `topk` complete blocks win."""
     lens = [20]
