@@ -87,8 +87,8 @@ def test_sparse_attention_matches_reference(groups, monkeypatch):
 
 @pytest.mark.parametrize(
     ("lens", "queries"),
-    [([3], [3]), ([1, 9, 30], [1, 1, 1]), ([13, 40, 4], [5, 17, 4]), ([25, 25], [25, 1])],
-    ids=["short-prefill", "decode", "chunks", "whole-and-decode"],
+    [([3], [3]), ([1, 9, 30], [1, 1, 1]), ([13, 40, 4], [5, 17, 4]), ([25, 25], [25, 1]), ([50], [19])],
+    ids=["short-prefill", "decode", "chunks", "whole-and-decode", "one-slot-chunk"],
 )
 @pytest.mark.parametrize(("ratio", "topk"), [(4, 3), (2, 1), (8, 2)])
 @pytest.mark.parametrize("quantize", [False, True], ids=["random", "ties"])
@@ -128,6 +128,11 @@ def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, mon
     blocks, ok = qsa_cached.select_blocks_cached(
         torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk
     )
+    if S == 1:  # one sequence: its block keys shared by every query (the long-prefill path) select the same
+        shared = qsa_cached.select_blocks_cached(
+            torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk, slot=0
+        )
+        assert all(torch.equal(a, b) for a, b in zip(shared, (blocks, ok), strict=True))
     out = qsa_cached.sparse_attention_cached(
         torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio
     )

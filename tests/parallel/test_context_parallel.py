@@ -113,9 +113,7 @@ def test_torchrun_cp2_fsdp2_equals_one_process(small_config, tmp_path):
            "--parallel.cp=2"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, cp = (
-        [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "cp")
-    )
+    one, cp = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("a", "b"))
     assert len(cp) == len(one) == 3
     for a, b in zip(one, cp, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)

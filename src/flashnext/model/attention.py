@@ -93,8 +93,9 @@ class QSAIndexer(nn.Module):
             raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
             keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin)
             cache.block_k[blk_slot, blk_idx] = keys.to(cache.block_k.dtype)
+        one = step.slot_run[0] if step.slot_run is not None and step.slot_run[1] == 1 else None  # one sequence
         return qsa_cached.select_blocks_cached(
-            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk
+            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk, one
         )
 
 
