@@ -2,7 +2,7 @@
 
 Under context parallelism (CP) each rank of a CP group runs the model on one contiguous slice of a packed stream
 (`flashnext.parallel.context` plans the slices and implements this protocol with collectives; the model never
-imports torch.distributed). Every per-token part of a layer (norms, projections, MoE, hyper-connections) is local.
+imports the distributed package). Every per-token part of a layer (norms, projections, MoE, hyper-connections) is local.
 Three mixers read across the slice's left edge, and each asks the `cp` object it is given for exactly what it
 needs, in the form the ops already take for serving state:
 

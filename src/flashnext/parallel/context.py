@@ -102,7 +102,8 @@ class ContextLayout:
     def local_cu(self, rank: int) -> list[int]:
         """Host boundaries of rank's slice: its pieces of the segments it overlaps (no zero-length pieces)."""
         lo, hi = self.rows(rank)
-        inner = sorted({b - lo for b in self.cu_seqlens if lo < b < hi})
+        cu = self.cu_seqlens
+        inner = sorted({b - lo for b in cu[bisect.bisect_right(cu, lo) : bisect.bisect_left(cu, hi)]})
         return [0, *inner, self.local_len]
 
     def first_start(self, rank: int) -> int:
@@ -235,11 +236,11 @@ class DistributedShard:
         self.global_seg = layout.global_segments(self.device)
         self.num_local = len(layout.local_cu(rank)) - 1
         self._carry = [layout.carries_in(r) for r in range(layout.cp)]
+        self._block_counts = layout.block_counts() if layout.ratio > 1 else None
 
     def left_halo(self, x: torch.Tensor, width: int, fill: int | float = 0) -> torch.Tensor:
         """x [L, *C] -> [N, width, *C]: the `width` rows before each local sequence (see the module doc)."""
         L = x.shape[0]
-        rest = x.new_full((self.num_local - 1, width, *x.shape[1:]), fill)
         if width == 0:
             return x.new_full((self.num_local, 0, *x.shape[1:]), fill)
         m = min(width, L)  # every rank's tail; the whole slice when L < width
@@ -251,6 +252,7 @@ class DistributedShard:
         halo = gathered.index_select(0, index.to(x.device))  # indexed on every rank: all join the backward
         mask = valid.to(x.device).view(width, *[1] * (x.dim() - 1))
         halo = torch.where(mask, halo, torch.full_like(halo, fill))
+        rest = x.new_full((self.num_local - 1, width, *x.shape[1:]), fill)  # later local sequences start here
         return torch.cat([halo.unsqueeze(0), rest])
 
     def incoming_state(self, A: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
@@ -271,7 +273,7 @@ class DistributedShard:
     @torch.no_grad()
     def gather_blocks(self, keys: torch.Tensor) -> torch.Tensor:
         """This rank's complete-block keys [NB_r, Di] -> every rank's [NB, Di] in stream order."""
-        counts = self.layout.block_counts()
+        counts = self._block_counts or self.layout.block_counts()
         if keys.shape[0] != counts[self.rank]:
             raise InputError(f"rank {self.rank} pooled {keys.shape[0]} QSA blocks, its slice has {counts[self.rank]}")
         cap = self.layout.local_len // self.layout.ratio
