@@ -101,3 +101,24 @@ def test_dispatcher_picks_a_kernel_that_matches_recurrent(cu):
     ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
     torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cu", [[0, 90], [0, 41, 45, 120]], ids=["one-sequence", "three-sequences"])
+def test_affine_form_equals_a_pass_from_the_first_sequences_state(cu):
+    """`gated_delta_rule_affine` (context parallelism): `o0 + resp @ S0` and `A @ S0 + U` equal a pass whose first
+    sequence starts from S0; A is zero when the last sequence is not the first (it starts fresh)."""
+    from flashnext.batch import make_segments
+    from flashnext.ops.deltanet import gated_delta_rule, gated_delta_rule_affine
+
+    inputs = [t.detach().float() for t in _inputs(cu)]
+    seg = make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1])
+    N = len(cu) - 1
+    s0 = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(3))
+    initial = torch.zeros(N, 3, 8, 6)
+    initial[0] = s0
+    o, final = gated_delta_rule(*inputs, seg, initial_state=initial)
+    o0, resp, A, U = gated_delta_rule_affine(*inputs, seg)
+    assert not resp[cu[1] :].any()  # only the first sequence responds to S0
+    torch.testing.assert_close(o0 + torch.einsum("thk,hkv->thv", resp, s0), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(A @ s0 + U, final[-1], rtol=1e-5, atol=1e-5)
+    assert (not A.any()) == (N > 1)

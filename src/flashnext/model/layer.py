@@ -8,6 +8,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import LINEAR, TextConfig
 from flashnext.model.attention import Attention
+from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual, inject
 from flashnext.model.moe import SparseMoE
@@ -50,21 +51,23 @@ class DecoderLayer(nn.Module):
         seg: Segments,
         replay: torch.Tensor | None = None,
         state: StepState[dict] | None = None,
+        cp: ContextShard | None = None,
     ):
         """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k]).
 
         `state` (serving): the layer's cached state by part name (`state_spec`); its parts continue their slots'
         sequences, and the projections take the prepared fast paths (`model.fused`).
+        `cp` (context parallelism): this rank's slice of a stream shared with its group (`model.context`).
         """
         fused = state is not None
         if self.ple is not None:
-            residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"))
+            residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"), cp)
         x, w = self.attn_hyper_connection(residual, fused)
         mixer_state = None if state is None else state.part(self.mixer_name)
         if self.layer_type == LINEAR:
-            x = self.linear_attn(x, seg, mixer_state)
+            x = self.linear_attn(x, seg, mixer_state, cp)
         else:
-            x = self.self_attn(x, *rope, seg, mixer_state)
+            x = self.self_attn(x, *rope, seg, mixer_state, cp)
         residual = inject(residual, x, w)
         x, w = self.mlp_hyper_connection(residual, fused)
         x, experts = self.mlp(x, replay, fused)

@@ -14,6 +14,7 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, next_token_targets
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
+from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.fused import linear
 from flashnext.model.hyper import GatedResidual
@@ -60,6 +61,7 @@ class FlashNextTextModel(nn.Module):
         replay: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         state: StepState[list] | None = None,
+        cp: ContextShard | None = None,
     ):
         """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k]).
 
@@ -70,6 +72,8 @@ class FlashNextTextModel(nn.Module):
             state: serving: the step and the cache's per-layer state (`StepState(step, cache.layers)`). The
                 stream's sequences continue their slots' cached state, which is updated in place; the rotary uses
                 `step.rope_positions` (MRoPE) when set, else the positions (cache rows).
+            cp: context parallelism: the stream is this rank's slice of its group's stream (`model.context`);
+                `seg.position_ids` are the tokens' positions in their whole sequences.
         """
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = x.repeat(1, self.config.hc_count)
@@ -84,7 +88,7 @@ class FlashNextTextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else StepState(state.step, state.bufs[i])
             layer_replay = None if replay is None else replay[:, i]
-            residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state)
+            residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state, cp)
             routed.append(experts)
         return self.hyper_connection_mixer(residual, state is not None), torch.stack(routed, dim=1)
 
@@ -108,6 +112,7 @@ class FlashNextForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        cp: ContextShard | None = None,
     ) -> CausalLMOutput:
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
@@ -117,6 +122,10 @@ class FlashNextForCausalLM(nn.Module):
             labels: same layout as `input_ids`; the loss predicts `labels[t+1]` from token t within a sequence
                 (-100 = no loss), averaged over all label tokens.
             routed_experts: int [T, L, k] (flat order) to replay the router's expert choice.
+            cp: context parallelism (`flashnext.parallel.context`): the flat ids are this rank's slice of its
+                group's stream, `cu_seqlens` the slice's own boundaries and `position_ids` the global positions.
+                Targets cross the slice's edge, so no `labels` here: form them on the whole stream
+                (`ContextLayout.targets`) and take the loss of the local logits.
 
         An empty batch (`[0, S]` or `[0]` ids) returns empty logits (`[0, S, V]` / `[0, V]`).
 
@@ -124,12 +133,14 @@ class FlashNextForCausalLM(nn.Module):
             InputError: naming the argument, shape or dtype (see `flashnext.batch.flatten_inputs`), ids outside
                 the vocabulary, or `routed_experts` that are not `[T, L, k]` integers.
         """
+        if cp is not None and (input_ids.dim() != 1 or labels is not None):
+            raise InputError("with cp, pass flat [T] input_ids and no labels (targets are formed on the whole stream)")
         inputs = flatten_inputs(
             input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels
         )
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
-        hidden, experts = self.model(inputs.ids, inputs.seg, routed_experts)
+        hidden, experts = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
         logits = self.lm_head(hidden)
         labels = inputs.per_token["labels"]
         loss = None if labels is None else causal_lm_loss(logits, labels, inputs.seg)

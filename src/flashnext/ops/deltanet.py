@@ -55,6 +55,40 @@ def gated_delta_rule(
     return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial_state)
 
 
+def gated_delta_rule_affine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seg: Segments,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule as an affine function of the FIRST sequence's unknown initial state S0.
+
+    The recurrence is linear in (state, v): every output row of the first sequence is `o0 + resp @ S0` and its
+    final state is `A @ S0 + U`. All four come from one pass of `gated_delta_rule` with K extra value channels:
+    v extended by zeros and the first sequence's initial state `[0 | I_K]`, so the extra channels carry the
+    response to an identity state. Context parallelism uses it: a rank whose first sequence continues from the
+    previous rank computes everything before it knows S0, and the ranks then compose their (A, U) pairs.
+
+    Args:
+        q, k: [T, H, K] raw; v: [T, H, V]; g, beta: [T, H]; seg: the stream's segments (N >= 1 sequences).
+
+    Returns:
+        o0 [T, H, V] (every sequence from a zero state), resp [T, H, K] (zero outside the first sequence),
+        A fp32 [H, K, K] and U fp32 [H, K, V] of the LAST sequence: its final state is `A @ S0 + U` (A is zero
+        unless the stream holds one sequence, since later sequences start fresh).
+    """
+    T, H, K = k.shape
+    V = v.shape[-1]
+    N = len(seg.lengths)
+    v_aug = torch.cat([v, v.new_zeros(T, H, K)], dim=-1)
+    initial = torch.zeros(N, H, K, V + K, dtype=torch.float32, device=v.device)
+    initial[0, :, :, V:] = torch.eye(K, device=v.device)
+    o, final = gated_delta_rule(q, k, v_aug, g, beta, seg, initial_state=initial)
+    return o[..., :V], o[..., V:], final[-1, ..., V:], final[-1, ..., :V]
+
+
 def _use_fla(x: torch.Tensor) -> bool:
     if x.device.type != "cuda" or os.environ.get("FLASHNEXT_FORCE_REF"):
         return False

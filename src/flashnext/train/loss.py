@@ -66,7 +66,12 @@ def sft_loss(
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise InputError(f"logits must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
     seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    targets = next_token_targets(labels, seg, IGNORE_INDEX)
+    return shifted_sft_loss(logits, next_token_targets(labels, seg, IGNORE_INDEX), num_label_tokens)
+
+
+def shifted_sft_loss(logits: torch.Tensor, targets: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
+    """`sft_loss` of targets already shifted (`targets[t]` is what row t predicts, -100 none), e.g. a
+    context-parallel rank's slice of targets formed on the whole stream. logits [T, V], targets int64 [T]."""
     total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return _divide(total, num_label_tokens, "num_label_tokens")
 
