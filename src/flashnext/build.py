@@ -8,16 +8,20 @@ parameter is ever materialised twice.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from flashnext.checkpoint.files import checkpoint_files, read_headers
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
 from flashnext.model.text import FlashNextForCausalLM
+
+log = logging.getLogger("flashnext")
 
 
 def build_model(
@@ -84,6 +88,11 @@ def from_pretrained(
     model = build_model(cfg, dtype=dtype, device=device)
     model.model_config = cfg
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
+    if getattr(model, "mtp", None) is not None and not _stores_mtp(path):
+        # The config declares an MTP head but the checkpoint has none (converters that drop `mtp.*` keep the
+        # config): load the trunk without a draft head rather than refuse the checkpoint.
+        log.warning("%s: config.json declares an MTP layer but no mtp.* weights are stored; loaded without it", path)
+        model.mtp = None
     try:
         load_checkpoint(model, path, prefix_style=style)
     except CheckpointError as e:
@@ -95,3 +104,12 @@ def from_pretrained(
             ) from None
         raise
     return model.eval()
+
+
+def _stores_mtp(path: str | Path) -> bool:
+    """Whether a checkpoint holds any `mtp.*` tensor (header read only; unreadable files are load's to report)."""
+    files, weight_map = checkpoint_files(path)
+    if weight_map is not None:
+        return any(k.startswith("mtp.") for k in weight_map)
+    headers, _, _ = read_headers(files, weight_map)
+    return any(k.startswith("mtp.") for k in headers)

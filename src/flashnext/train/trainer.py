@@ -29,7 +29,15 @@ from flashnext.parallel.dist import DistContext, destroy_distributed, init_distr
 from flashnext.train import state_io as ckpt
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, load_jsonl
-from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, sft_loss, token_logprobs
+from flashnext.train.loss import (
+    IGNORE_INDEX,
+    count_label_tokens,
+    count_mtp_tokens,
+    mtp_loss,
+    rl_loss,
+    sft_loss,
+    token_logprobs,
+)
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
@@ -163,6 +171,11 @@ class Trainer:
             truncate=cfg.data.truncate,
         )
         self.batches = iter(self.loader)
+        if cfg.train.mtp_loss_weight > 0 and getattr(self.model, "mtp", None) is None:
+            raise ConfigError(
+                f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
+                "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
+            )
         if cfg.train.loss == "rl" and examples[0].inference_logprobs is None:
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
 
@@ -212,37 +225,47 @@ class Trainer:
         step_batches = [next(self.batches) for _ in range(n * world)]
         return step_batches[self.ctx.rank :: world]
 
-    def _forward_loss(self, b: PackedBatch, num_loss_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _forward_loss(
+        self, b: PackedBatch, num_loss_tokens: float, num_mtp_tokens: float = 0.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """(loss, RL metrics, the MTP head's loss or None when `train.mtp_loss_weight` is 0) of one micro-batch."""
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
-        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev))
+        with_mtp = self.cfg.train.mtp_loss_weight > 0
+        mtp_kw = {"return_mtp": True} if with_mtp else {}
+        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev), **mtp_kw)
         labels = b.labels.to(dev)
+        mtp = mtp_loss(out.mtp_logits, labels, cu, num_mtp_tokens) if with_mtp else None
         if self.cfg.train.loss == "sft":
-            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}
+            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}, mtp
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
         lp_train, entropy = token_logprobs(out.logits, torch.where(mask, targets, 0))
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
-        return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
+        return (*rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy), mtp)
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step the optimizers and the schedule; returns metrics."""
         t0 = time.perf_counter()
         local_counts = [float(count_label_tokens(b.labels, b.cu_seqlens)) for b in batches]
         local_tokens = float(sum(b.num_tokens for b in batches))
-        num_loss_tokens, tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens])
+        mtp_weight = self.cfg.train.mtp_loss_weight
+        local_mtp = sum(float(count_mtp_tokens(b.labels, b.cu_seqlens)) for b in batches) if mtp_weight else 0.0
+        num_loss_tokens, tokens, num_mtp_tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens, local_mtp])
         loss_sum = torch.zeros((), dtype=torch.float64)
+        mtp_sum = 0.0
         rl_sums: dict[str, float] = {}
         sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
         for i, (b, n_local) in enumerate(zip(batches, local_counts, strict=True)):
             if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
                 sync(i == len(batches) - 1)
-            loss, metrics = self._forward_loss(b, num_loss_tokens)
-            loss.backward()
+            loss, metrics, mtp = self._forward_loss(b, num_loss_tokens, num_mtp_tokens)
+            (loss if mtp is None else loss + mtp_weight * mtp).backward()
             loss_sum += loss.detach().double().cpu()
+            mtp_sum += 0.0 if mtp is None else float(mtp.detach())
             for k, v in metrics.items():  # micro-batch means over its loss tokens -> weighted sums
                 rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
         t_backward = time.perf_counter()
@@ -281,6 +304,8 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "model_flops_per_s": flops / seconds,
         }
+        if mtp_weight:  # the head's own loss (mean over the step's MTP targets), beside the trunk's `loss`
+            (out["mtp_loss"],) = all_reduce_sum(self.ctx, [mtp_sum])
         if self.peak_flops:
             out["mfu"] = flops / seconds / (self.peak_flops * self.ctx.world_size)
         if rl_sums:  # loss-token means over the whole step: every micro-batch of every rank
