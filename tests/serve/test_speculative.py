@@ -57,8 +57,11 @@ def plain(model):
     return run_mixed(_engine(model, 0), PROMPTS, _params(0, 2), WAVES)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("drafts", ["known", "head"])
+@pytest.mark.parametrize(
+    ("k", "drafts"),
+    [(1, "known"), (3, "known"), (3, "head"), pytest.param(1, "head", marks=pytest.mark.slow)],  # k=1 head: k=3's
+    ids=["known-1", "known-3", "head-3", "head-1"],
+)
 def test_greedy_speculation_gives_the_plain_tokens(model, plain, k, drafts):
     """16 mixed-length prompts, 12 slots, requests joining and leaving, one running to max_model_len (297 new
     tokens), prompt chunks and decodes in the same steps, a quarter of the requests not speculating: every token
