@@ -11,10 +11,11 @@ takes about 3-5 minutes (one thread); `--save DIR` keeps the trained model, `--m
 Measurement: for batch b in 1, 16, b prompts (the first 4 words of b corpus lines), `--new-tokens` (default 128)
 new tokens each, greedy, EOS ignored; `Engine.generate` with b slots; tok/s = b * new tokens / wall seconds
 (prefill included). The runs alternate k = 0, 3, 1 in every repeat (the box is shared: each k sees the same load
-drift), and the medians of `--repeats` are printed with the acceptance rate (accepted / drafted) and the mean
-accepted length (tokens per verify step, the one the target always gives included). Every speculative run's
-tokens are compared with the k = 0 run's (greedy speculation is exact; a difference can only come from a near
-tie moved by float rounding).
+drift); printed are the median tok/s of `--repeats`, the speedup as the median over repeats of each repeat's
+tok/s ratio to its own k = 0 run (robust to load changing between repeats), the acceptance rate (accepted /
+drafted) and the mean accepted length (tokens per verify step, the one the target always gives included). Every
+speculative run's tokens are compared with the k = 0 run's (greedy speculation is exact; a difference can only
+come from a near tie moved by float rounding).
 
 Output:
     trained <n> steps in <s>s: loss <x>, mtp_loss <y>          (or: loaded <dir>)
@@ -101,8 +102,9 @@ def run(model, batch_prompts: list[list[int]], k: int, new_tokens: int):
     return len(batch_prompts) * new_tokens / seconds, engine.stats, [o.token_ids for o in outs]
 
 
-def bench(model, tok, batch: int, new_tokens: int, repeats: int) -> dict[int, tuple[float, float, float, bool]]:
-    """Per k: (median tok/s, acceptance, mean accepted length, same tokens as k = 0)."""
+def bench(model, tok, batch: int, new_tokens: int, repeats: int) -> dict[int, tuple[float, float, float, float, bool]]:
+    """Per k: (median tok/s, median speedup over k = 0 within a repeat, acceptance, mean accepted length, same
+    tokens as k = 0)."""
     batch_prompts = prompts(tok, batch)
     rates: dict[int, list[float]] = {k: [] for k in KS}
     last: dict[int, tuple] = {}
@@ -115,7 +117,9 @@ def bench(model, tok, batch: int, new_tokens: int, repeats: int) -> dict[int, tu
     out = {}
     for k in KS:
         stats, tokens = last[k]
-        out[k] = (statistics.median(rates[k]), stats.acceptance_rate, stats.mean_accepted_length, tokens == last[0][1])
+        speedup = statistics.median(r / r0 for r, r0 in zip(rates[k], rates[0], strict=True))
+        out[k] = (statistics.median(rates[k]), speedup, stats.acceptance_rate, stats.mean_accepted_length,
+                  tokens == last[0][1])  # fmt: skip
     return out
 
 
@@ -142,14 +146,13 @@ def main(argv=None) -> None:
     results = {}
     for batch in args.batches:
         results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats)
-        base = results[batch][0][0]
         for k in sorted(KS):
-            rate, acc, length, same = results[batch][k]
+            rate, speedup, acc, length, same = results[batch][k]
             same = "yes" if same else "no"
             spec = "" if k == 0 else f" acceptance={acc:.3f} mean_length={length:.2f} same_tokens={same}"
-            print(f"batch={batch} k={k} tok/s={rate:.1f} speedup={rate / base:.2f}{spec}", flush=True)
+            print(f"batch={batch} k={k} tok/s={rate:.1f} speedup={speedup:.2f}{spec}", flush=True)
     first = results[args.batches[0]]
-    print(f"spec_speedup_batch{args.batches[0]}_k3={first[3][0] / first[0][0]:.2f} acceptance_k3={first[3][1]:.3f}")
+    print(f"spec_speedup_batch{args.batches[0]}_k3={first[3][1]:.2f} acceptance_k3={first[3][2]:.3f}")
 
 
 if __name__ == "__main__":

@@ -236,9 +236,13 @@ def test_sampled_log_probs_are_the_targets(model):
 
 
 # ---- n choices, failures, refusals, metrics -------------------------------------------------------------------
-def test_n_choices_speculate(model, plain):
-    """n = 3 greedy choices with k = 3 share one prefill and each gives the plain greedy tokens."""
-    engine = _engine(model, 3)
+@pytest.mark.parametrize("budget", [48, 39], ids=["one-chunk", "chunked-one-left"])
+def test_n_choices_speculate(model, plain, budget):
+    """n = 3 greedy choices with k = 3 share one prefill and each gives the plain greedy tokens; also when the
+    prompt's last chunk is short enough that its head cells could already propose drafts (the parent must first
+    fork its children)."""
+    engine = Engine(model, None, max_slots=12, max_model_len=MAX_LEN, max_num_batched_tokens=budget,
+                    num_speculative_tokens=3)  # fmt: skip
     outs = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=3))
     assert [o.index for o in outs] == [0, 1, 2]
     assert all(o.token_ids == plain[1].output_ids[:40] for o in outs)

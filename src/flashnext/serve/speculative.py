@@ -172,8 +172,9 @@ class Speculator:
 
     def draft_count(self, req: Request) -> int:
         """Drafts to propose for the request's next step: its k, at most the tokens it may still produce minus
-        the one the verify step always gives, and none while its replay exceeds k + 1 tokens."""
-        if req.num_tokens - req.num_cached > req.spec_k + 1:
+        the one the verify step always gives; none while its replay exceeds k + 1 tokens, nor while its n choices
+        wait for its prompt (they fork from the state after the prompt, without drafts)."""
+        if req.num_tokens - req.num_cached > req.spec_k + 1 or req.forks:
             return 0
         remaining = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
         return max(0, min(req.spec_k, remaining - 1))
