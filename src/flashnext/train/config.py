@@ -117,6 +117,9 @@ class TrainSection(BaseModel):
     """Optimizer steps to run (in total, counting the steps of a resumed checkpoint); at least 1."""
     loss: Literal["sft", "rl"] = "sft"
     """`sft`: cross-entropy on label tokens; `rl`: the importance-weighted policy loss (needs RL data)."""
+    mtp_loss_weight: float = Field(0.0, ge=0)
+    """Weight of the MTP head's next-next-token loss added to the step's loss (0: the head is not trained);
+    needs a model with an MTP head (`mtp_num_hidden_layers` in its config)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant) instead of keeping its activations."""
     compile: bool = False

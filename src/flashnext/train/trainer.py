@@ -32,7 +32,16 @@ from flashnext.train import run_dir
 from flashnext.train.config import RunConfig
 from flashnext.train.data import ModelLimits
 from flashnext.train.evaluation import Evaluator
-from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, sft_loss, shifted_sft_loss, token_logprobs
+from flashnext.train.loss import (
+    IGNORE_INDEX,
+    count_label_tokens,
+    count_mtp_tokens,
+    mtp_loss,
+    rl_loss,
+    sft_loss,
+    shifted_sft_loss,
+    token_logprobs,
+)
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
@@ -99,6 +108,11 @@ class Trainer:
         self.evaluator = (
             Evaluator(held_out, cfg.data.token_budget, self.cost_fn, cfg.data.truncate) if held_out else None
         )
+        if cfg.train.mtp_loss_weight > 0 and getattr(self.model, "mtp", None) is None:
+            raise ConfigError(
+                f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
+                "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
+            )
         # the held-out split too: its loss is the run's loss
         if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
@@ -139,6 +153,11 @@ class Trainer:
 
         if not self.ctx.distributed or self.cfg.train.compile or not isinstance(self.model, FlashNextForCausalLM):
             raise ConfigError(f"parallel.cp={cp} needs a torchrun launch, a text model and train.compile=false")
+        if self.cfg.train.mtp_loss_weight > 0:
+            raise ConfigError(
+                f"parallel.cp={cp} with train.mtp_loss_weight > 0 is not supported (the MTP head's targets "
+                "are two tokens ahead, across the slice's edge)"
+            )
 
         ratio = self.text_config.indexer_compress_ratio if self.text_config.qsa_enabled else 1
         return context_group(self.ctx.rank, self.ctx.world_size, cp, ratio)
@@ -160,21 +179,27 @@ class Trainer:
         mine = step_batches[self.dp_rank :: groups]
         return [self.cp.shard(b, self.device) for b in mine] if self.cp else mine
 
-    def _forward_loss(self, b: PackedBatch, num_loss_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if isinstance(b, ContextBatch):
-            return self._context_forward_loss(b, num_loss_tokens)
+    def _forward_loss(
+        self, b: PackedBatch | ContextBatch, num_loss_tokens: float, num_mtp_tokens: float = 0.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """(loss, RL metrics, the MTP head's loss or None when `train.mtp_loss_weight` is 0) of one micro-batch."""
+        if isinstance(b, ContextBatch):  # (context parallelism is refused with an MTP loss: `_context_group`)
+            return (*self._context_forward_loss(b, num_loss_tokens), None)
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
-        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev))
+        with_mtp = self.cfg.train.mtp_loss_weight > 0
+        mtp_kw = {"return_mtp": True} if with_mtp else {}
+        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev), **mtp_kw)
         labels = b.labels.to(dev)
+        mtp = mtp_loss(out.mtp_logits, labels, cu, num_mtp_tokens) if with_mtp else None
         if self.cfg.train.loss == "sft":
-            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}
+            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}, mtp
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
-        return self._rl_loss(out.logits, targets, lp_infer, adv, num_loss_tokens)
+        return (*self._rl_loss(out.logits, targets, lp_infer, adv, num_loss_tokens), mtp)
 
     def _context_forward_loss(self, b: ContextBatch, num_loss_tokens: float):
         """A CP rank's slice: targets (and RL inputs) were shifted on the whole stream before slicing."""
@@ -189,35 +214,42 @@ class Trainer:
         lp_train, entropy = token_logprobs(logits, torch.where(mask, targets, 0))
         return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
 
-    def _counts(self, b: PackedBatch | ContextBatch) -> tuple[int, int, float]:
-        """(loss tokens, input tokens, forward FLOPs) of this rank's part of a micro-batch: summed over ranks they
-        count every micro-batch of the step once (a CP rank counts its slice, and 1/cp of the FLOPs)."""
+    def _counts(self, b: PackedBatch | ContextBatch) -> tuple[int, int, float, int]:
+        """(loss tokens, input tokens, forward FLOPs, MTP targets) of this rank's part of a micro-batch: summed over
+        ranks they count every micro-batch of the step once (a CP rank counts its slice, and 1/cp of the FLOPs)."""
         if isinstance(b, ContextBatch):
             share = self.cost_fn(b.source.lengths) / self.cp.size
-            return int((b.targets != IGNORE_INDEX).sum()), b.real_tokens, share
-        return count_label_tokens(b.labels, b.cu_seqlens), b.num_tokens, self.cost_fn(b.lengths)
+            return int((b.targets != IGNORE_INDEX).sum()), b.real_tokens, share, 0
+        mtp = count_mtp_tokens(b.labels, b.cu_seqlens) if self.cfg.train.mtp_loss_weight else 0
+        return count_label_tokens(b.labels, b.cu_seqlens), b.num_tokens, self.cost_fn(b.lengths), mtp
 
-    def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
-        """Forward/backward every micro-batch, clip, step the optimizers and the schedule; returns metrics."""
-        t0 = time.perf_counter()
-        counts = [self._counts(b) for b in batches]
-        local_counts = [float(c[0]) for c in counts]
-        local_tokens = float(sum(c[1] for c in counts))
-        num_loss_tokens, tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens])
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        rl_sums: dict[str, list[float]] = {}  # metric -> [weighted sum, weight]
+    def _accumulate(self, batches: list, num_loss_tokens: float, num_mtp_tokens: float):
+        """Forward/backward every micro-batch; (loss sum, MTP loss sum, RL metric [weighted sum, weight] by name)."""
+        loss_sum, mtp_sum = torch.zeros((), dtype=torch.float64), 0.0
+        rl_sums: dict[str, list[float]] = {}
+        weight = self.cfg.train.mtp_loss_weight
         sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
         for i, b in enumerate(batches):
             if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
                 sync(i == len(batches) - 1)
-            loss, metrics = self._forward_loss(b, num_loss_tokens)
-            loss.backward()
+            loss, metrics, mtp = self._forward_loss(b, num_loss_tokens, num_mtp_tokens)
+            (loss if mtp is None else loss + weight * mtp).backward()
             loss_sum += loss.detach().double().cpu()
+            mtp_sum += 0.0 if mtp is None else float(mtp.detach())
             for k, v in metrics.items():  # micro-batch means over some of its loss tokens -> weighted sums
                 if not k.endswith("_tokens"):
                     w = _metric_weight(k, metrics)
                     acc = rl_sums.setdefault(k, [0.0, 0.0])
                     acc[0], acc[1] = acc[0] + float(v) * w, acc[1] + w
+        return loss_sum, mtp_sum, rl_sums
+
+    def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, step the optimizers and the schedule; returns metrics."""
+        t0 = time.perf_counter()
+        counts = [self._counts(b) for b in batches]
+        local = [float(sum(c[j] for c in counts)) for j in (0, 1, 3)]
+        num_loss_tokens, tokens, num_mtp_tokens = all_reduce_sum(self.ctx, local)
+        loss_sum, mtp_sum, rl_sums = self._accumulate(batches, num_loss_tokens, num_mtp_tokens)
         t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
         if self.ctx.distributed:
@@ -254,6 +286,8 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "model_flops_per_s": flops / seconds,
         }
+        if self.cfg.train.mtp_loss_weight:  # the head's own loss (mean over the step's MTP targets)
+            (out["mtp_loss"],) = all_reduce_sum(self.ctx, [mtp_sum])
         if self.peak_flops:
             out["mfu"] = flops / seconds / (self.peak_flops * self.ctx.world_size)
         if rl_sums:  # means over the whole step's tokens of each kind: every micro-batch (or CP slice) of every rank
