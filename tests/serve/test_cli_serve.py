@@ -171,3 +171,22 @@ def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path):
     assert next(engine.model.parameters()).dtype == torch.float32
     assert engine.decode_graph.buckets == [1, 2, 4] and engine.decode_graph.compiles == 0
     assert cli_main(["generate", "--decode-buckets", "1,x", "--decode-graph", "on"]) == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_speculative_tokens_need_an_mtp_head(tmp_path, capsys, command):
+    """`--speculative-tokens K` with a checkpoint that has no MTP head is refused naming the flag and the model;
+    the tiny default (which has one) speculates: `generate` reports the drafts it verified."""
+    from flashnext.build import build_model
+    from flashnext.config import parse_config, tiny_config_dict
+
+    raw = {k: v for k, v in tiny_config_dict().items() if k != "mtp_num_hidden_layers"}
+    build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+                              "ple_layer_ids": [1]}).text, seed=0).save_pretrained(tmp_path / "m")  # fmt: skip
+    extra = ["--port", "0"] if command == "serve" else []
+    assert cli_main([command, "--model", str(tmp_path / "m"), "--speculative-tokens", "3", *extra]) == 1
+    err = capsys.readouterr().err
+    assert f"--speculative-tokens 3: {tmp_path / 'm'} has no MTP draft head" in err
+    if command == "generate":
+        assert cli_main(["generate", "--speculative-tokens", "2", "--max-tokens", "12", "--threads", "1"]) == 0
+        assert "drafts accepted" in capsys.readouterr().err

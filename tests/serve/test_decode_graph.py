@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from serve_helpers import run_step, small_model
+from spec_helpers import compare_greedy, run_mixed, spec_model
 
 from flashnext.errors import ConfigError
 from flashnext.serve.cache import StateCache
@@ -128,6 +129,32 @@ def test_weight_updates_reach_the_compiled_step(model):
         torch.testing.assert_close(got2, want2, **TOL)
         assert not torch.allclose(got2, got)
     assert graph.compiles == 1
+
+
+def test_speculating_requests_stay_eager_and_exact(small_config):
+    """A model with an MTP head, the decode graph on and speculation (k = 2) for two of three requests: steps
+    holding a speculating request (drafts to verify, or the trunk residual its head needs) run eager, so
+    speculation still drafts and verifies and every greedy token equals the plain eager engine's (up to near
+    ties: a verify step computes 1 + k positions at once); the non-speculating request, left alone once the others
+    finish, decodes through the graph (bucket 1)."""
+    model = spec_model(_two_layers(small_config))
+    prompts = _prompts(3, 3)
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2, num_speculative_tokens=k)
+        for m, k in ((16, 0), (6, None), (5, None))
+    ]  # fmt: skip
+    kwargs = dict(max_slots=4, max_model_len=48, max_num_batched_tokens=32)
+    plain = run_mixed(Engine(model, **kwargs), prompts, params, [0])
+    engine = Engine(model, **kwargs, num_speculative_tokens=2, decode_graph=True, compile_backend="eager")
+    ran = []  # the requests' slots of every graph step
+    run = engine.decode_graph.run
+    engine.decode_graph.run = lambda ids, slots, cached: ran.append(list(slots)) or run(ids, slots, cached)
+    got = run_mixed(engine, prompts, params, [0])
+    compare_greedy(plain, got)
+    assert engine.stats.spec_drafted > 0 and engine.stats.spec_verify_steps > 0
+    assert got[0].num_drafted == 0 and all(r.num_drafted > 0 for r in got[1:])
+    assert ran and all(len(s) == 1 for s in ran)  # only the non-speculating request, alone
+    assert engine.decode_graph.compiles == 1
 
 
 def test_bucket_sizes():

@@ -59,10 +59,11 @@ def bucket_sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
 
 def decode_only(plan) -> bool:
     """Whether an engine plan [(request, tokens)] is a decode-only step the graph can run: one token per request,
-    every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table), no
-    speculative drafts riding along."""
+    every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table), and no
+    speculating request (its step verifies drafts riding along and needs the trunk's residual for its MTP head:
+    `serve.speculative`'s eager path)."""
     return all(
-        n == 1 and req.num_cached >= len(req.prompt_ids) and req.mrope is None and not getattr(req, "drafts", None)
+        n == 1 and req.num_cached >= len(req.prompt_ids) and req.mrope is None and not req.spec_k and not req.drafts
         for req, n in plan
     )
 
