@@ -4,8 +4,9 @@ Config: the ~31M-param config of `model_vs_reference.py` (hidden 256, 8 layers w
 PLE on 2 layers, budget 128 / compress 4, vocab 16384), CPU, 2 threads, in `--dtype` (float32 or bfloat16: both
 sides in that dtype, the reference loaded with `from_pretrained(dtype=...)` from the same checkpoint). The reference
 is built with every weight randomised and saved in the official layout; ours loads that checkpoint with
-`flashnext.from_pretrained`. `--decode-graph` serves decode-only steps with the compiled decode step
-(`serve.decode_graph`; its one-off compile time per bucket is printed, not timed).
+`flashnext.from_pretrained`. `--decode-graph` also times a second engine whose decode-only steps run as the
+compiled decode step (`serve.decode_graph`; its one-off compile time per bucket is printed, not timed), in the
+same alternation as the eager engine and the reference.
 
 Decode throughput: for batch b in 1, 4, 16, b prompts of 32 random tokens, 64 new tokens each, greedy, EOS off.
 Both sides do the same work (prefill of the prompts, then 64 tokens); tok/s = b * 64 / wall seconds. The
@@ -36,7 +37,8 @@ thread count are noise, not results.
 
 Output:
     batch=<b> ours=<tok/s> ref=<tok/s> ratio=<x> load=<1-min load>
-    # floor batch=<b>: weights <MB>/step at <GB/s> -> <ms>/step; our decode step <ms> (<x> x floor)
+    batch=<b> graph=<tok/s> ref=<tok/s> ratio=<x> load=<1-min load>          (with --decode-graph)
+    # floor batch=<b>: weights <MB>/step at <GB/s> -> <ms>/step; <ours|graph> decode step <ms> (<x> x floor)
     http concurrency=<c> tok/s=<x> ttft_ms=<median> tpot_ms=<median>
     # gemm floor batch=16: <ms>/step of matmuls; ref <ms>/step; ratio bound <x>
     batch16_ratio=<x>            (last line)
@@ -126,18 +128,20 @@ def ours_generate(engine, prompts: torch.Tensor, step_times: list[float] | None 
     return [r.output_ids for r in reqs]
 
 
-def bench_decode(ours, ref, args, vocab: int) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Per batch: (ref time / our time, reference seconds per generated position, our decode step seconds)."""
+def bench_decode(ours, ref, args, vocab: int) -> tuple[dict, dict, dict]:
+    """(ref time / our time, our decode step seconds) keyed by (engine, batch), engine "ours" (eager steps) and,
+    with `--decode-graph`, "graph" (the compiled decode step); and the reference's seconds per generated position
+    keyed by batch. Both engines and the reference alternate in one loop, under the same load."""
     gen = torch.Generator().manual_seed(args.seed)
     ratios, ref_step, our_step = {}, {}, {}
+    engines = ["ours", "graph"] if args.decode_graph else ["ours"]
     for b in args.batches:
         prompts = torch.randint(0, vocab, (b, PROMPT_LEN), generator=gen).to(args.device)
-        engine = make_engine(ours, b, args.decode_graph)
-        times, outs, steps, loads = {"ours": [], "ref": []}, {}, [], []
-        fns = {
-            "ours": lambda p=prompts, e=engine, st=steps: ours_generate(e, p, st),
-            "ref": lambda p=prompts: reference_generate(ref, p),
-        }
+        built = {name: make_engine(ours, b, name == "graph") for name in engines}
+        times, outs, loads = {name: [] for name in [*engines, "ref"]}, {}, []
+        steps = {name: [] for name in engines}
+        fns = {name: lambda p=prompts, e=e, st=steps[name]: ours_generate(e, p, st) for name, e in built.items()}
+        fns["ref"] = lambda p=prompts: reference_generate(ref, p)
         for _ in range(args.repeats):
             for name, fn in fns.items():
                 loads.append(os.getloadavg()[0])
@@ -145,17 +149,18 @@ def bench_decode(ours, ref, args, vocab: int) -> tuple[dict[int, float], dict[in
                 outs[name] = fn()
                 times[name].append(time.perf_counter() - start)
         t = {k: statistics.median(v) for k, v in times.items()}
-        same = sum(a == r for a, r in zip(outs["ours"], outs["ref"], strict=True))
-        ratios[b] = t["ref"] / t["ours"]
         ref_step[b] = t["ref"] / NEW_TOKENS
-        our_step[b] = statistics.median(steps)
         tokens = b * NEW_TOKENS
-        print(f"# batch={b} identical greedy sequences: {same}/{b}")
-        print(
-            f"batch={b} ours={tokens / t['ours']:.1f} ref={tokens / t['ref']:.1f} ratio={ratios[b]:.2f} "
-            f"load={max(loads):.1f}",
-            flush=True,
-        )
+        for name in engines:
+            same = sum(a == r for a, r in zip(outs[name], outs["ref"], strict=True))
+            ratios[name, b] = t["ref"] / t[name]
+            our_step[name, b] = statistics.median(steps[name])
+            print(f"# batch={b} {name}: identical greedy sequences {same}/{b}")
+            print(
+                f"batch={b} {name}={tokens / t[name]:.1f} ref={tokens / t['ref']:.1f} ratio={ratios[name, b]:.2f} "
+                f"load={max(loads):.1f}",
+                flush=True,
+            )
     return ratios, ref_step, our_step
 
 
@@ -193,14 +198,15 @@ def weight_bytes(model, batch: int) -> float:
     return total
 
 
-def print_floor(model, our_step: dict[int, float]) -> None:
+def print_floor(model, our_step: dict[tuple[str, int], float]) -> None:
     bw = read_bandwidth(next(model.parameters()).device)
-    for b, step in our_step.items():
+    for (name, b), step in our_step.items():
         nbytes = weight_bytes(model, b)
         floor = nbytes / bw
         print(
             f"# floor batch={b}: weights {nbytes / 1e6:.1f} MB/step at {bw / 1e9:.1f} GB/s -> "
-            f"{floor * 1e3:.2f} ms/step; our decode step {step * 1e3:.2f} ms ({step / floor:.1f} x floor)",
+            f"{floor * 1e3:.2f} ms/step; {name} decode step {step * 1e3:.2f} ms ({step / floor:.1f} x floor) "
+            f"load={os.getloadavg()[0]:.1f}",
             flush=True,
         )
 
@@ -308,7 +314,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' dtype")
     parser.add_argument("--device", default="cpu", help="both sides' device (default cpu; cuda: a GPU run)")
     parser.add_argument(
-        "--decode-graph", action="store_true", help="our decode-only steps as the compiled decode step (one bucket)"
+        "--decode-graph",
+        action="store_true",
+        help="also time our engine with the compiled decode step (one bucket per batch), alternating with the eager "
+        "engine and the reference",
     )
     parser.add_argument(
         "--omp-wait-policy",
@@ -349,7 +358,7 @@ def main(argv=None) -> int:
     if not args.no_http:
         del ref
         http_load(ours, args.concurrency, cfg["vocab_size"], args.seed)
-    last = ratios.get(16)
+    last = ratios.get(("graph", 16), ratios.get(("ours", 16)))
     print(f"batch16_ratio={last:.2f}" if last is not None else "batch16_ratio=nan")
     return 0
 
