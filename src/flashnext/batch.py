@@ -70,8 +70,15 @@ class HistoryLayout:
 
 
 def history_layout(seg: Segments, W: int) -> HistoryLayout:
-    """The `HistoryLayout` of `seg` with W history rows per sequence (host math; memoised on `seg`)."""
+    """The `HistoryLayout` of `seg` with W history rows per sequence (host math, or device math for a decode
+    stream; memoised on `seg`)."""
     key = ("history", W)
+    if key not in seg.memo and seg.is_decode:  # one token per sequence: device ops only (a compiled decode step)
+        N, dev = seg.num_tokens, seg.seq_idx.device
+        block = torch.arange(N, device=dev)[:, None] * (W + 1)
+        head = block + torch.arange(W, device=dev)
+        pos = torch.arange(W + 1, device=dev).repeat(N)
+        seg.memo[key] = HistoryLayout(pos, block[:, 0] + W, head, head + 1)
     if key not in seg.memo:
         lengths = seg.lengths
         N = len(lengths)

@@ -91,6 +91,7 @@ def test_fused_weight_follows_in_place_updates():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
     check()
+    address = group.weights()[0].data_ptr()
     opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.5)
     sum(o.sum() for o in _separate(x, mods)).backward()
     opt.step()
@@ -98,6 +99,7 @@ def test_fused_weight_follows_in_place_updates():
     state = {k: torch.randn_like(v) for k, v in mods[0].state_dict().items()}
     mods[0].load_state_dict(state)
     check()
+    assert group.weights()[0].data_ptr() == address  # rebuilt in place: a captured CUDA graph reads it there
     mods[3].weight.data = torch.randn(30, 12, dtype=torch.float64)
     check()
     mods[1].weight = nn.Parameter(torch.randn(1, 12, dtype=torch.float64))  # a new Parameter object
@@ -113,6 +115,25 @@ def test_skinny_linear_equals_f_linear(contiguous):
             got = fused.linear(x, w, b, fused=True, contiguous=contiguous)
         assert got.is_contiguous() or not contiguous
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_one_row_product_equals_f_linear():
+    """Inside a compiled graph a one-row fp32 product with a large weight is a reduction (`fused.REDUCED_GEMV_MIN`);
+    traced here by dynamo and run without code generation ("eager" backend). fp32 sums in another order: 1e-5."""
+    w = torch.randn(fused.REDUCED_GEMV_MIN // 256, 256)
+    b = torch.randn(w.shape[0])
+    x = torch.randn(1, 256)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: fused.linear(x, w, b, fused=True), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    assert any("sum" in op for op in ops) and not any(op.endswith(("mm", "linear")) for op in ops), ops
 
 
 @pytest.mark.parametrize("T", [1, 3, 40])

@@ -1,4 +1,5 @@
-"""Sort-based grouped dispatch and the per-assignment gather path == a plain loop over experts."""
+"""Sort-based grouped dispatch, the per-assignment gather path and the every-expert path of a static serving step
+== a plain loop over experts."""
 
 import pytest
 import torch
@@ -61,6 +62,21 @@ def test_dispatch_matches_loop(T):
             torch.autograd.grad((out * g).sum(), params, retain_graph=True),
             torch.autograd.grad((ref * g).sum(), params),
         )
+
+
+@pytest.mark.parametrize("T", [2, 16], ids=["decode2", "decode16"])
+def test_static_step_path_matches_loop(T):
+    """A static serving step's paths (shapes independent of the routing): every expert (`_dense`), and each
+    assignment's expert read in place (`_reduced`, what a compiled fp32 step runs) == the loop."""
+    torch.manual_seed(3)
+    moe = SparseMoE(_cfg()).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(T, 8, dtype=torch.float64)
+    w, e = moe.gate(x)
+    ref = _loop_reference(moe.experts, x, e, w)
+    torch.testing.assert_close(moe.experts(x, e, w, fused=True, static=True), ref)
+    torch.testing.assert_close(moe.experts._reduced(x, e.flatten(), w), ref)  # the compiled fp32 form, run eagerly
 
 
 def test_both_paths_agree():

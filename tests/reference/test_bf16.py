@@ -23,3 +23,45 @@ def test_bf16_matches_reference_bf16(reference_checkpoint, rel_error):
     err_ours, err_ref = rel_error(ours, exact), rel_error(theirs, exact)
     print(f"bf16 rel. error vs fp32: ours={err_ours:.4f} reference={err_ref:.4f}")
     assert err_ours <= 1.5 * err_ref, (err_ours, err_ref)
+
+
+def _served_logprobs(ref32, seq: list[int], start: int, served: list[float]) -> float:
+    """max |served log-prob - fp32 log-prob| of the tokens seq[start:] (fp32: the reference's full forward)."""
+    with torch.no_grad():
+        lp = torch.log_softmax(ref32(input_ids=torch.tensor([seq])).logits[0].float(), dim=-1)
+    exact = lp[start - 1 : -1].gather(1, torch.tensor(seq[start:])[:, None]).squeeze(1)
+    return float((torch.tensor(served) - exact).abs().max())
+
+
+def test_bf16_serving_error_next_to_reference_serving(reference_checkpoint):
+    """Serving in bf16 (weights, activations and cache in bf16; the GDN state in fp32): the log-probs our engine
+    reports for its greedy tokens differ from the fp32 function's by no more than 1.5x what the reference's own
+    bf16 `generate` (its cache, the same weights) differs by on its greedy tokens. Each side is scored on its own
+    sequence (bf16 greedy paths may part), against the fp32 reference's full forward on that sequence."""
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    ref32, path = reference_checkpoint
+    ref16 = Qwen4ExpForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ours16 = flashnext.from_pretrained(path, dtype=torch.bfloat16)
+    engine = Engine(ours16, max_slots=2, max_model_len=64)
+    assert engine.cache.layers[0]["linear_attn"].recurrent.dtype == torch.float32
+    assert engine.cache.layers[0]["linear_attn"].conv.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (9, 17)]
+    new = 16
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0))
+    err_ours = err_ref = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        err_ours = max(err_ours, _served_logprobs(ref32, prompt + out.token_ids, len(prompt), out.logprobs))
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref16.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        toks = gen.sequences[0, len(prompt) :]
+        theirs = torch.stack([torch.log_softmax(x[0].float(), -1)[t] for x, t in zip(gen.logits, toks, strict=True)])
+        err_ref = max(err_ref, _served_logprobs(ref32, gen.sequences[0].tolist(), len(prompt), theirs.tolist()))
+    print(f"bf16 served log-prob error vs fp32: ours={err_ours:.4f} reference={err_ref:.4f}")
+    assert err_ours <= 1.5 * err_ref, (err_ours, err_ref)

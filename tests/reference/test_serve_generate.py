@@ -44,24 +44,37 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+# The decode graph: decode-only steps as the static step traced by dynamo, padded to bucket 3 ("aot_eager": the
+# traced graph without code generation; the inductor twin is tests/serve/test_decode_graph.py).
+DECODE_GRAPH = dict(decode_graph=True, decode_buckets=[3], compile_backend="aot_eager")
+
+
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "engine_kwargs"),
     [
-        pytest.param({}, id="tiny"),
+        pytest.param({}, {}, id="tiny"),
+        pytest.param(
+            {},
+            DECODE_GRAPH,
+            id="tiny-decode-graph",
+            # "tiny" holds the eager engine to the reference, tests/serve/test_decode_graph.py the graph to the eager
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             {"hc_count": 3, "num_key_value_heads": 1, "ple_layer_ids": [1, 3]},
+            {},
             id="hc3-gqa4-ple2",
             marks=pytest.mark.slow,  # the same paths as "tiny" with other head/stream counts
         ),
     ],
 )
-def test_greedy_matches_reference_generate(overrides, tiny_text_config, reference_factory):
+def test_greedy_matches_reference_generate(overrides, engine_kwargs, tiny_text_config, reference_factory):
     cfg = tiny_text_config(**overrides)
     ref, ckpt = reference_factory(cfg, seed=3)
     model = flashnext.from_pretrained(ckpt)
     prompts = _prompts(cfg["vocab_size"], [1, 7, 13, 22], seed=5)
     # 3 slots for 4 prompts: the last one waits and reuses a freed slot; a 6-token budget chunks the prefills.
-    engine = Engine(model, max_slots=3, max_model_len=128, max_num_batched_tokens=6)
+    engine = Engine(model, max_slots=3, max_model_len=128, max_num_batched_tokens=6, **engine_kwargs)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):

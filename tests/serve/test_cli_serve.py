@@ -144,6 +144,35 @@ def test_serve_process_name_logs_and_busy_port():
     assert f"request {r.json()['id']} finished: length, prompt" in err
 
 
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [("gpu0", "is not a torch device"), ("meta", "serving runs on cpu or cuda")]
+    + ([] if torch.cuda.is_available() else [("cuda", "CUDA is not available")]),
+)
+def test_bad_device_is_named(capsys, device, needle):
+    assert cli_main(["generate", "--device", device, "--max-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flashnext generate: error: --device ") and needle in err
+
+
+def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path):
+    """--dtype auto serves a bf16 checkpoint in bf16 and an fp32 one in fp32 (--dtype float32 overrides);
+    --decode-graph on builds the engine's decode graph over the given buckets (compiled on first use), off none."""
+    torch.set_num_threads(1)
+    model, tok, _ = load_for_serving(None)
+    model.save_pretrained(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for name, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        args = build_parser().parse_args(["serve", "--model", str(tmp_path / name), "--max-slots", "4"])
+        _, _, engine = _serve_app(args)
+        assert next(engine.model.parameters()).dtype == want and engine.decode_graph is None
+    args = ["serve", "--model", str(tmp_path / "bf16"), "--dtype", "float32", "--decode-graph", "on"]
+    _, _, engine = _serve_app(build_parser().parse_args([*args, "--max-slots", "4", "--decode-buckets", "1,2"]))
+    assert next(engine.model.parameters()).dtype == torch.float32
+    assert engine.decode_graph.buckets == [1, 2, 4] and engine.decode_graph.compiles == 0
+    assert cli_main(["generate", "--decode-buckets", "1,x", "--decode-graph", "on"]) == 1
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_speculative_tokens_need_an_mtp_head(tmp_path, capsys, command):
     """`--speculative-tokens K` with a checkpoint that has no MTP head is refused naming the flag and the model;

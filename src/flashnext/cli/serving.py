@@ -15,7 +15,21 @@ from flashnext.errors import ConfigError, FlashNextError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint dir (default: the tiny model, seeded random weights)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter dtype (default float32)")
+    p.add_argument(
+        "--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
+        help="parameter dtype; auto: bfloat16 when the checkpoint's config.json says so, else float32 (default auto)",
+    )  # fmt: skip
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument(
+        "--decode-graph", choices=["auto", "on", "off"], default="auto",
+        help="run decode-only steps as one fixed-shape graph per batch bucket: inductor-compiled on CPU (minutes "
+        "per bucket on a few cores, cached on disk for the next start), a captured CUDA graph on CUDA (seconds); "
+        "auto: on for CUDA, off for CPU (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode-buckets", default=None, metavar="N,N,...",
+        help="batch sizes decode steps are padded to with --decode-graph (default 1,2,4,8,16,32,64 up to --max-slots)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
     p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
@@ -49,13 +63,15 @@ def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
 
 def _build_engine(args: argparse.Namespace):
     from flashnext.serve.engine import Engine
-    from flashnext.serve.loading import load_for_serving
+    from flashnext.serve.loading import checkpoint_dtype, load_for_serving
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else checkpoint_dtype(args.model)
     model, tokenizer, name = load_for_serving(
-        args.model, _DTYPES[args.dtype], args.seed, ngram_storage=args.ngram_storage,
-        ngram_resident_mb=args.ngram_resident_mb,
+        args.model, dtype, args.seed, ngram_storage=args.ngram_storage, ngram_resident_mb=args.ngram_resident_mb,
+        device=device,
     )  # fmt: skip
     k = args.speculative_tokens
     if k and getattr(model, "mtp", None) is None:
@@ -63,11 +79,41 @@ def _build_engine(args: argparse.Namespace):
             f"--speculative-tokens {k}: {args.model or 'the model'} has no MTP draft head (no mtp.* weights, or no "
             "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"
         )
+    graph = args.decode_graph == "on" or (args.decode_graph == "auto" and device.type == "cuda")
     try:
-        engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k)
+        engine = Engine(
+            model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
+            decode_buckets=_buckets(args.decode_buckets),
+        )  # fmt: skip
     except ConfigError as e:
+        if "num_speculative_tokens" not in str(e):  # e.g. the decode graph's: its message names its flags itself
+            raise
         raise ConfigError(f"--speculative-tokens {k}: {e}") from None
     return engine, name
+
+
+def _device(name: str) -> torch.device:
+    """`--device` as a torch device; `FlashNextError` naming it when it is malformed or not available here."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise FlashNextError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlashNextError(f"--device {name}: CUDA is not available (this torch {torch.__version__} sees no GPU)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise FlashNextError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise FlashNextError(f"--device {name}: serving runs on cpu or cuda")
+    return device
+
+
+def _buckets(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FlashNextError(f"--decode-buckets must be comma-separated ints, got {text!r}") from None
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +178,16 @@ def run_serve(args: argparse.Namespace) -> None:
         app, name, engine = _serve_app(args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
-        print(f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots})", flush=True)
+        if engine.decode_graph is not None:  # compile / capture every bucket before the first request waits on it
+            print(f"preparing the decode step for batch buckets {engine.decode_graph.buckets} ...", flush=True)
+            took = engine.decode_graph.warmup()
+            print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        print(
+            f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots}, {dtype} on "
+            f"{engine.device})",
+            flush=True,
+        )
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         sock.close()

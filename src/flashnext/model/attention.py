@@ -47,6 +47,13 @@ class QSAIndexer(nn.Module):
         keys = self.k_layernorm(qsa.pool_blocks(raw_blocks))
         return apply_rotary(keys.unsqueeze(1), cos, sin).squeeze(1)
 
+    def _queries(self, x: torch.Tensor, cos, sin, qk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed, rotated queries [T, Hi, Di] and raw keys [T, Di] (from `qk` when the caller computed it)."""
+        qk = self.index_qk_proj(x) if qk is None else qk
+        T = qk.shape[0]
+        q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
+        return apply_rotary(self.q_layernorm(q), cos, sin), qk[:, self.n_heads * self.head_dim :]
+
     @torch.compiler.disable  # block layout from host lengths: opaque to torch.compile (see flashnext.compile)
     @torch.no_grad()
     def forward(
@@ -69,33 +76,52 @@ class QSAIndexer(nn.Module):
         Returns:
             Without state: (sel [T, n], ok [T, n]) flat token indices of the stream to attend (with `cp`: of the
             whole stream `cp.global_seg`).
-            With state: (blocks [T, kb], ok [T, kb]) block indices within each query's slot; the step's raw keys
-            are stored and the blocks it completes pooled into the cache first.
+            With state: `select_cached`'s (blocks [T, kb], ok [T, kb]).
         """
-        qk = self.index_qk_proj(x) if qk is None else qk
-        T = qk.shape[0]
-        q = qk[:, : self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)
-        raw_k = qk[:, self.n_heads * self.head_dim :]
-        q = apply_rotary(self.q_layernorm(q), cos, sin)
-        if state is None:
-            starts = qsa.complete_blocks(seg, self.ratio)
-            keys = self.block_keys(raw_k[qsa.block_rows(starts, self.ratio)], cos[starts], sin[starts])
-            if cp is None:
-                return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
-            keys, starts = cp.gather_blocks(keys), qsa.complete_blocks(cp.global_seg, self.ratio)
-            return qsa.select_tokens(q, keys, starts, cp.global_seg, self.ratio, self.block_topk, q_offset=cp.offset)
+        if state is not None:
+            return self.select_cached(x, cos, sin, seg, state, qk)
+        q, raw_k = self._queries(x, cos, sin, qk)
+        starts = qsa.complete_blocks(seg, self.ratio)
+        keys = self.block_keys(raw_k[qsa.block_rows(starts, self.ratio)], cos[starts], sin[starts])
+        if cp is None:
+            return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
+        keys, starts = cp.gather_blocks(keys), qsa.complete_blocks(cp.global_seg, self.ratio)
+        return qsa.select_tokens(q, keys, starts, cp.global_seg, self.ratio, self.block_topk, q_offset=cp.offset)
+
+    @torch.no_grad()
+    def select_cached(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seg: Segments,
+        state: StepState[QSAState],
+        qk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Serving: store the step's raw keys, pool the blocks it completes into the cache, select per query.
+
+        Traceable (no host layout: the step's blocks were planned by `plan_blocks`), so a compiled decode step
+        includes it.
+
+        Returns:
+            (blocks [T, kb], ok [T, kb]) block indices within each query's slot.
+        """
+        q, raw_k = self._queries(x, cos, sin, qk)
         step, cache = state.step, state.bufs
-        flat = step.tok_slot * cache.raw_k.shape[1] + seg.position_ids
-        cache.raw_k.view(-1, self.head_dim).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
+        S, Lc, Di = cache.raw_k.shape
+        flat = step.tok_slot * Lc + seg.position_ids
+        cache.raw_k.view(-1, Di).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
         blk_slot, blk_idx, blk_cos, blk_sin = step.new_blocks
         if blk_idx.numel():
-            S, Lc, Di = cache.raw_k.shape
             raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
-            keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin)
-            cache.block_k[blk_slot, blk_idx] = keys.to(cache.block_k.dtype)
+            keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin).to(cache.block_k.dtype)
+            if step.block_done is not None:  # static step: one candidate per entry, rewritten unless it completed
+                keys = torch.where(step.block_done[:, None], keys, cache.block_k[blk_slot, blk_idx])
+            cache.block_k[blk_slot, blk_idx] = keys
+        most = cache.block_k.shape[1] if step.static else step.max_visible_blocks
         one = step.slot_run[0] if step.slot_run is not None and step.slot_run[1] == 1 else None  # one sequence
         return qsa_cached.select_blocks_cached(
-            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk, one
+            q, cache.block_k, step.tok_slot, seg.position_ids, most, self.ratio, self.block_topk, one
         )
 
 
@@ -161,7 +187,7 @@ class Attention(nn.Module):
                 seg = cp.global_seg
             o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, c)
         else:
-            blocks, ok = self.indexer(x, cos, sin, seg, state, qk=qk)
+            blocks, ok = self.indexer.select_cached(x, cos, sin, seg, state, qk=qk)
             cache, tok_slot, rows = state.bufs, state.step.tok_slot, seg.position_ids
             flat = tok_slot * cache.k.shape[1] + rows
             cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))

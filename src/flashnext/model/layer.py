@@ -73,5 +73,5 @@ class DecoderLayer(nn.Module):
             x = self.self_attn(x, *rope, seg, mixer_state, cp)
         residual = inject(residual, x, w)
         x, w = self.mlp_hyper_connection(residual, fused)
-        x, experts = self.mlp(x, replay, fused)
+        x, experts = self.mlp(x, replay, fused, static=fused and state.step.static)
         return inject(residual, x, w), experts

@@ -56,15 +56,54 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: bool = False
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: bool = False, static=False
     ) -> torch.Tensor:
-        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D]. `fused`: serving GEMM layouts."""
+        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D].
+
+        `fused`: serving GEMM layouts. `static` (a static serving step, `model.state.make_decode_step`): no shape
+        may depend on the routing, so more assignments than the gather path takes run every expert (`_dense`), or,
+        in fp32 inside a compiled graph on CPU, each assignment's expert read in place (`_reduced`).
+        """
         T, k = experts.shape
         flat_e = experts.flatten()
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
         if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
             return self._gathered(x, flat_e, weights, fused)
+        if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
+            return self._reduced(x, flat_e, weights)
+        if static:
+            return self._dense(x, experts, weights)
         return self._grouped(x, flat_e, weights, fused)
+
+    def _reduced(self, x, flat_e, weights):
+        """Each assignment's expert applied as products summed over the input dim, its weights indexed in place.
+
+        Written for inductor (fp32, CPU, inside a compiled static step): it fuses the weight gather into the
+        reduction, reading each assignment's expert rows where they lie, with neither a copy nor the every-expert
+        FLOPs of `_dense`. Measured at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread: 0.37 ms
+        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM); in bf16 `_dense` wins (oneDNN's bf16 dot
+        products: 0.69 against 0.93 ms), and run eagerly this would materialise [A, 2I, D] products.
+        """
+        T, k = weights.shape
+        token = torch.arange(flat_e.numel(), device=x.device) // k
+        xa = x.index_select(0, token)  # [A, D]
+        gate, up = (self.gate_up_proj[flat_e] * xa[:, None, :]).sum(-1).chunk(2, dim=-1)  # [A, I] each
+        h = F.silu(gate) * up
+        out = (self.down_proj[flat_e] * h[:, None, :]).sum(-1) * weights.reshape(-1, 1)  # [A, D]
+        return out.view(T, k, -1).sum(1)
+
+    def _dense(self, x, experts, weights):
+        """Every expert on every token, outputs summed with the routing weights (0 for an unchosen expert).
+
+        For a decode batch (a few tokens, most experts hit) this streams each expert's weights once, as the
+        grouped slab does, with up to E/k times its FLOPs (memory-bound either way at decode sizes), but its
+        shapes depend on T alone: no slab capacity read from the routing, no sort.
+        """
+        E = self.num_experts
+        T, D = x.shape
+        h = self._swiglu(x.unsqueeze(0).expand(E, T, D), self.gate_up_proj, self.down_proj, fused=True)  # [E, T, D]
+        w = torch.zeros(T, E, dtype=h.dtype, device=x.device).scatter(1, experts, weights.to(h.dtype))
+        return (h * w.t().unsqueeze(-1)).sum(0)
 
     # Opaque to torch.compile: the slab's capacity is a data-dependent count (`int(counts.max())`).
     @torch.compiler.disable
@@ -134,10 +173,11 @@ class SparseMoE(nn.Module):
         shared = self.shared_expert
         self.router_shared = Group(self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, fused: bool = False):
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, fused: bool = False, static=False):
         """x: [T, D] -> ([T, D], experts int64 [T, k]).
 
-        `fused` (serving): the router and the shared expert's projections as one prepared GEMM."""
+        `fused` (serving): the router and the shared expert's projections as one prepared GEMM; `static`: a static
+        serving step (see `Experts.forward`)."""
         shared = self.shared_expert
         if fused:
             logits, gate, up, shared_gate = self.router_shared(x, fused=True)
@@ -146,5 +186,5 @@ class SparseMoE(nn.Module):
         else:
             weights, experts = self.gate(x, replay)
             shared_gate, shared_out = self.shared_expert_gate(x), shared(x)
-        out = self.experts(x, experts, weights, fused)
+        out = self.experts(x, experts, weights, fused, static)
         return out + torch.sigmoid(shared_gate) * shared_out, experts

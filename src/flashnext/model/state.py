@@ -21,6 +21,12 @@ carries MRoPE positions (a prompt with images) gives its prompt's `[3, L]` table
 rotates at `table[:, r]`, a later row at `r + delta` on all three axes (the reference's decode rule). Cache rows
 (`seg.position_ids`) stay the sequential offsets either way.
 
+Static steps (`make_decode_step`): a decode step of a fixed number of entries whose metadata are device tensors
+only (`StepBatch.static`). Every entry, padding included, reads and writes its slot (padding entries the scratch
+slot, whose contents nobody reads), QSA blocks are planned per entry on the device, and queries score every block
+row of the cache under a visibility mask, so no op reads a tensor value on the host and the shapes depend only on
+the number of entries: the step can be compiled once per size (`serve.decode_graph`) or captured as a CUDA graph.
+
 Taking positions back (speculative decoding, a rejected draft): a `positional` state is indexed by position, so
 rows past the accepted length are invisible to every later query and overwritten before they are read; `window`
 and `recurrent` states hold the state after the last token and must be restored (`StateCache.snapshot` /
@@ -104,13 +110,18 @@ class StepBatch:
     Attributes:
         seg: segments of the step's stream; `position_ids` are the absolute positions `cached + offset`.
         slots: int64 [N] cache slot of every entry (padding entries point at the scratch slot).
-        cached: int64 [N] tokens already cached per entry; `cached_host` the same as a host list.
+        cached: int64 [N] tokens already cached per entry; `cached_host` the same as a host list (None on a static
+            step).
         live: bool [N], entries whose state is written back (a real slot and at least one token);
-            `live_host` the same as a host list; `live_idx` int64 [n_live] their indices, `live_slots` their slots.
+            `live_host` the same as a host list; `live_idx` int64 [n_live] their indices, `live_slots` their slots
+            (on a static step: None, None and `slots`: every entry is written, padding into the scratch slot).
         tok_slot: int64 [T] slot of every token.
         new_blocks: QSA blocks completed by this step's live entries, `(slot [B], block [B], cos [B, R],
             sin [B, R])` rotated at each block's first position (set by the model, shared by its QSA layers).
-        max_visible_blocks: host int, the most complete QSA blocks any query of the step sees.
+        block_done: static steps: bool [N], whether entry i's block in `new_blocks` completes in this step (a static
+            step plans one candidate block per entry and rewrites the others unchanged); None otherwise.
+        max_visible_blocks: host int, the most complete QSA blocks any query of the step sees (a static step
+            scores every block row of the cache instead).
         mrope: per entry None (rotary position = row) or `(table int64 [3, L], delta)` (see the module doc);
             None when no entry has MRoPE positions.
         rope_positions: int64 [3, T] rotary positions of the step's tokens when `mrope` is set, else None
@@ -118,22 +129,25 @@ class StepBatch:
         slot_run: `(first, N)` when the entries' slots are `first, first+1, ...` in order and every entry is live
             (the usual decode batch): per-slot state is then read and written as one contiguous slice of each
             buffer (`gather`, `store`) instead of by index; None otherwise.
+        static: a fixed-shape decode step built by `make_decode_step` (see the module doc).
     """
 
     seg: Segments
     slots: torch.Tensor
     cached: torch.Tensor
-    cached_host: list[int]
+    cached_host: list[int] | None
     live: torch.Tensor
-    live_host: list[bool]
-    live_idx: torch.Tensor
+    live_host: list[bool] | None
+    live_idx: torch.Tensor | None
     live_slots: torch.Tensor
     tok_slot: torch.Tensor
     new_blocks: tuple | None = None
+    block_done: torch.Tensor | None = None
     max_visible_blocks: int = 0
     mrope: list | None = None
     rope_positions: torch.Tensor | None = None
     slot_run: tuple[int, int] | None = None
+    static: bool = False
 
     def gather(self, buf: torch.Tensor) -> torch.Tensor:
         """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
@@ -150,6 +164,8 @@ class StepBatch:
             target = buf.narrow(0, *self.slot_run)
             if target.data_ptr() != rows.data_ptr():  # not computed in place already
                 target.copy_(rows)
+        elif self.static:  # every entry; padding rows land in the scratch slot (no host read of which are live)
+            buf.index_copy_(0, self.slots, rows.to(buf.dtype))
         elif any(self.live_host):
             buf.index_copy_(0, self.live_slots, rows.index_select(0, self.live_idx).to(buf.dtype))
 
@@ -238,6 +254,44 @@ def make_step(
     )
 
 
+def make_decode_step(slots: torch.Tensor, cached: torch.Tensor, scratch_slot: int) -> StepBatch:
+    """A static decode step (see the module doc): entry i feeds one token to slot `slots[i]` after `cached[i]`.
+
+    Args:
+        slots: int64 [N] cache slots on the model's device (`scratch_slot` marks padding).
+        cached: int64 [N] tokens already cached per entry (padding: any valid row, e.g. 0).
+        scratch_slot: the cache's scratch slot.
+
+    Built from device ops only (no host list is read or copied to the device), so it can run inside a compiled
+    or captured graph; the host fields are constants of N.
+    """
+    N = slots.shape[0]
+    device = slots.device
+    seq_idx = torch.arange(N, device=device)
+    seg = Segments(
+        cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=device),
+        position_ids=cached,
+        max_seqlen=1,
+        seq_idx=seq_idx,
+        seq_start=seq_idx,
+        lengths=[1] * N,
+        cu_host=list(range(N + 1)),
+        pos_in_seq=torch.zeros(N, dtype=torch.long, device=device),
+    )
+    return StepBatch(
+        seg=seg,
+        slots=slots,
+        cached=cached,
+        cached_host=None,
+        live=slots != scratch_slot,
+        live_host=None,
+        live_idx=None,
+        live_slots=slots,
+        tok_slot=slots,
+        static=True,
+    )
+
+
 def rope_rows(mrope, rows: torch.Tensor) -> torch.Tensor:
     """Rotary positions int64 [3, n] of cache rows `rows` [n] of an entry with MRoPE `(table, delta)` or None."""
     if mrope is None:
@@ -250,7 +304,11 @@ def rope_rows(mrope, rows: torch.Tensor) -> torch.Tensor:
 
 
 def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
-    """Fill `step.new_blocks` and `step.max_visible_blocks` for QSA blocks of c = `ratio` tokens (host math)."""
+    """Fill `step.new_blocks` and `step.max_visible_blocks` for QSA blocks of c = `ratio` tokens (host math; on a
+    static step device math: `_plan_decode_blocks`)."""
+    if step.static:
+        _plan_decode_blocks(step, ratio, rotary, dtype)
+        return
     slots, idx, most, pos = [], [], 0, []
     slot_host = step.slots.tolist()
     for i, (n, cached) in enumerate(zip(step.seg.lengths, step.cached_host, strict=True)):
@@ -271,3 +329,13 @@ def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None
         )
     step.new_blocks = (torch.tensor(slots, dtype=torch.long, device=dev), idx_t, cos, sin)
     step.max_visible_blocks = most
+
+
+def _plan_decode_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
+    """Static step: entry i's candidate block is the last one its token can complete, `(cached + 1) // c - 1`
+    (clamped to 0); `block_done` marks the live entries whose token does complete it."""
+    end = step.cached + 1
+    idx = (end // ratio - 1).clamp_min(0)
+    step.block_done = step.live & (end % ratio == 0)
+    cos, sin = rotary(idx * ratio, dtype)
+    step.new_blocks = (step.slots, idx, cos, sin)

@@ -220,8 +220,8 @@ class FlashNextForCausalLM(nn.Module):
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
-            order (padding and zero-length entries produce no row), or [R, V] for `rows`; with `with_residual`,
-            `(logits, residual)`.
+            order (padding and zero-length entries produce no row; a static step returns all N rows, padding
+            included), or [R, V] for `rows`; with `with_residual`, `(logits, residual)`.
         """
         state = StepState(step, cache.layers)
         hidden, _, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
@@ -324,7 +324,12 @@ class FlashNextForCausalLM(nn.Module):
 
 
 def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
-    """The rows [n_live, D] of the last token of every live entry of a serving step. hidden: [T, D]."""
+    """The rows [n_live, D] of the last token of every live entry of a serving step. hidden: [T, D].
+
+    A static step returns every entry's row, padding included ([N, D]; the caller drops the padding rows): which
+    entries are live is a device tensor there, and reading it would be a host sync inside the compiled step."""
+    if step.static:
+        return hidden
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
         hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))

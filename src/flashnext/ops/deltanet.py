@@ -31,7 +31,9 @@ CHUNK = 64
 SHORT = 8  # sequences continuing a state with at most this many tokens: the per-position recurrence
 
 
-@torch.compiler.disable  # reads host lengths to choose (see chunk_gated_delta_rule)
+# Traceable: it reads the host lengths (`seg.is_decode`, `seg.max_seqlen`) only when a state is given (serving), so
+# a training graph, which passes none, never guards on them, and a compiled decode step traces the single-token
+# kernel. The chunked kernel it calls otherwise is opaque to torch.compile itself.
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

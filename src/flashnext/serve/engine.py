@@ -18,6 +18,11 @@ speculating request's decode entry also carries the drafts its head proposed, on
 rejection rolls its slot back; see `serve.speculative` (proposal, acceptance, rollback). Requests with and
 without speculation, prompt chunks and decodes share a step.
 
+Decode graph (`decode_graph=True`): a decode-only step (every entry one token past its prefilled prompt, no
+MRoPE, no speculating request) runs as `serve.decode_graph.DecodeGraph`'s fixed-shape step, compiled (CPU) or
+captured (CUDA) once per batch bucket; every other step (prefill chunks, speculative draft/verify steps) stays
+eager. Its logits are the eager step's to float rounding (tested).
+
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
 - a step whose model forward raises may have written part of every involved slot's state (the layers update the
@@ -57,6 +62,7 @@ from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.model.state import make_step
 from flashnext.serve.cache import StateCache
+from flashnext.serve.decode_graph import DecodeGraph, decode_only
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
@@ -90,6 +96,10 @@ class Engine:
         max_num_batched_tokens: token budget of one step (decodes first, then prompt chunks).
         num_speculative_tokens: default draft tokens per step for requests that do not set
             `SamplingParams.num_speculative_tokens` (0 = off); needs a model with an MTP head.
+        decode_graph: run decode-only steps as the compiled (CPU) / captured (CUDA) fixed-shape step of
+            `serve.decode_graph` (prefill and speculative steps stay eager); False: every step eager.
+        decode_buckets: the batch sizes decode steps are padded to (default `decode_graph.DEFAULT_BUCKETS`).
+        compile_backend: torch.compile backend of the CPU decode graph ("inductor").
 
     Raises:
         ConfigError: `num_speculative_tokens` > 0 for a model without an MTP head, or out of range.
@@ -103,6 +113,9 @@ class Engine:
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
         num_speculative_tokens: int = 0,
+        decode_graph: bool = False,
+        decode_buckets: Sequence[int] | None = None,
+        compile_backend: str = "inductor",
     ):
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -133,6 +146,9 @@ class Engine:
         self.num_speculative_tokens = k
         has_mtp = getattr(model, "mtp", None) is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
+        self.decode_graph = None
+        if decode_graph:  # decode-only steps as one compiled / captured graph per batch bucket
+            self.decode_graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -272,7 +288,13 @@ class Engine:
 
     def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor | SpecForward:
         """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
-        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs."""
+        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs. A
+        decode-only step without speculation runs as the decode graph, when the engine has one."""
+        if self.decode_graph is not None and decode_only(plan):
+            return self.decode_graph.run(
+                [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
+                [req.num_cached for req, _ in plan],
+            )  # fmt: skip
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n) + req.drafts

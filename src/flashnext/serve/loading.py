@@ -26,8 +26,9 @@ def load_for_serving(
     *,
     ngram_storage: str = "auto",
     ngram_resident_mb: float | None = None,
+    device: str | torch.device = "cpu",
 ):
-    """(model, tokenizer or None, model name).
+    """(model, tokenizer or None, model name), the model's parameters in `dtype` on `device`.
 
     Without `model_dir`: the tiny default config (`flashnext/configs/tiny.json`) with random weights from `seed`
     and the bundled tokenizer. With it: `from_pretrained(model_dir)` and the tokenizer files found there (None if
@@ -45,13 +46,27 @@ def load_for_serving(
     if model_dir is None:
         if ngram_storage not in ("auto", "dense"):
             raise ConfigError(f"--ngram-storage {ngram_storage} needs a checkpoint (--model DIR)")
-        return build_model(tiny_config(), seed=seed, dtype=dtype), load_tokenizer(), DEFAULT_NAME
+        return build_model(tiny_config(), seed=seed, dtype=dtype, device=device), load_tokenizer(), DEFAULT_NAME
     path = Path(model_dir)
     check_model_dir(path)
     kwargs = {} if ngram_resident_mb is None else {"ngram_resident_mb": ngram_resident_mb}
-    model = from_pretrained(path, dtype=dtype, device="cpu", ngram_storage=ngram_storage, **kwargs)
+    model = from_pretrained(path, dtype=dtype, device=device, ngram_storage=ngram_storage, **kwargs)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILE).exists() else None
     return model, tokenizer, path.resolve().name
+
+
+def checkpoint_dtype(model_dir: str | Path | None) -> torch.dtype:
+    """The serving dtype a checkpoint asks for: bfloat16 when its `config.json` says `"dtype"` (or the older
+    `"torch_dtype"`) `"bfloat16"`, else float32 (also for the tiny default and an unreadable config, whose error
+    the loader reports)."""
+    if model_dir is None:
+        return torch.float32
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    named = cfg.get("dtype", cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return torch.bfloat16 if named == "bfloat16" else torch.float32
 
 
 def check_model_dir(path: Path) -> None:

@@ -1,0 +1,180 @@
+"""flashnext's engine vs llama.cpp on the same weights in the same dtype (only where a llama.cpp build exists).
+
+    LLAMA_CPP_DIR=/path/to/llama.cpp/build python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--decode-graph]
+
+`LLAMA_CPP_DIR` is a llama.cpp build with the `qwen4exp` architecture (e.g. the one vendored in the
+`llama-cpp-python` 0.3.36 source distribution), holding `llama-batched-bench` and `llama-simple` (in it, `bin/` or
+`build/bin/`). Without it the script says so and exits 0: it is never a test or CI dependency.
+
+Config: the 31M benchmark config of `model_vs_reference.py` cut to what llama.cpp implements (vocab 4096, one PLE
+layer with `ple_embed_dim = hidden`, the sigmoid output gate; `gguf_convert.check_supported`), weights randomised
+by the reference harness, saved, loaded by `flashnext.from_pretrained`, converted to GGUF by `gguf_convert.py`.
+
+1. Agreement first: `llama-simple` generates 32 greedy tokens after a byte-token prompt; our engine does the same
+   from the same ids; the texts (byte tokens as bytes, others as `<t{i}>`) must match, else the script stops (exit
+   1) without timing: a wrong conversion or a llama.cpp that computes another function is not a comparison. Caveat
+   (llama.cpp is not exact): past the QSA budget it attends its top tokens rather than whole blocks, so beyond 128
+   tokens of context outputs may drift; the prompts here stay below that.
+2. Timing, alternating ours and llama.cpp, `--repeats` times per batch size: 32-token prompts and 64 new tokens
+   per sequence, prefill + decode, `--threads` threads on both sides. llama.cpp: `llama-batched-bench -npp 32
+   -ntg 64 -npl B` (its total time T: tok/s = B * 64 / T); ours: `Engine.generate` of B prompts. The machine's load
+   average is printed beside each line: numbers taken at a load above the thread count are not results.
+
+Output:
+    # agreement: 32/32 tokens equal
+    batch=<b> ours=<tok/s> llama.cpp=<tok/s> ratio=<ours/llama.cpp> load=<1-min load>
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN, NEW_TOKENS = 32, 64
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_tool(root: Path, name: str) -> Path | None:
+    for sub in ("", "bin", "build/bin"):
+        path = root / sub / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def variant_config() -> dict:
+    """The benchmark config cut to llama.cpp's qwen4exp: vocab 4096, PLE on layer 2 only, ple_embed_dim = hidden,
+    sigmoid output gate."""
+    cfg = dict(_load("model_vs_reference", HERE / "model_vs_reference.py").CONFIG)
+    cfg.update(vocab_size=4096, ple_layer_ids=[2], ple_embed_dim=cfg["hidden_size"], output_gate_type="sigmoid")
+    return cfg
+
+
+def build(dtype: torch.dtype, seed: int, out: Path):
+    """(our model, GGUF path): the reference harness's randomised weights, saved and loaded by us, converted."""
+    import flashnext
+
+    gg = _load("gguf_convert", HERE / "gguf_convert.py")
+    harness = _load("flashnext_reference_harness", HERE.parent / "tests" / "reference" / "conftest.py")
+    ref = harness.build_reference(variant_config(), seed=seed)
+    ref.save_pretrained(out / "hf")
+    model = flashnext.from_pretrained(out / "hf", dtype=dtype).eval()
+    metadata, tensors = gg.convert(model, dtype)
+    path = out / "model.gguf"
+    gg.write_gguf(path, metadata, tensors)
+    print(f"# converted: {path.stat().st_size / 1e6:.1f} MB, {len(tensors)} tensors, {dtype}", flush=True)
+    return model, path
+
+
+def text_of(ids: list[int]) -> bytes:
+    """The bytes llama.cpp prints for `ids` in the synthetic vocabulary (byte tokens, then `<t{i}>`)."""
+    return b"".join(bytes([i]) if i < 256 else f"<t{i}>".encode() for i in ids)
+
+
+def agreement(model, simple: Path, gguf: Path, threads: int, n: int = 32) -> tuple[int, int]:
+    """(equal leading tokens, n): llama.cpp's greedy continuation of a byte prompt against ours."""
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    prompt = "The quick brown fox jumps over the lazy dog."
+    cmd = [str(simple), "-m", str(gguf), "-n", str(n), prompt]
+    proc = subprocess.run(cmd, capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-simple failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-3000:]}")
+    theirs = proc.stdout.split(prompt.encode(), 1)[-1]
+    engine = Engine(model, max_slots=1, max_model_len=128)
+    ours = engine.generate([list(prompt.encode())], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    ids = ours[0].token_ids
+    equal = next((i for i in range(n) if not theirs.startswith(text_of(ids[: i + 1]))), n)
+    if equal < n:
+        print(f"# ours: {text_of(ids)!r}\n# llama.cpp: {theirs[:400]!r}", flush=True)
+    return equal, n
+
+
+def llamacpp_seconds(bench: Path, gguf: Path, batch: int, threads: int) -> float:
+    """Total seconds of llama-batched-bench for `batch` sequences of 32 prompt + 64 generated tokens."""
+    cmd = [str(bench), "-m", str(gguf), "-c", "4096", "-b", "2048", "-ub", "512", "-npp", str(PROMPT_LEN),
+           "-ntg", str(NEW_TOKENS), "-npl", str(batch), "-t", str(threads), "-tb", str(threads)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and cells[2] == str(batch) and re.fullmatch(r"[\d.]+", cells[8]):
+            return float(cells[8])  # columns: PP TG B N_KV T_PP S_PP T_TG S_TG T S
+    raise RuntimeError(f"no result row for B={batch} in llama-batched-bench's output:\n{proc.stdout[-3000:]}")
+
+
+def ours_seconds(engine, vocab: int, batch: int, seed: int) -> float:
+    from flashnext.serve.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--decode-graph", action="store_true", help="our decode steps as the compiled decode step")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    root = os.environ.get("LLAMA_CPP_DIR")
+    if not root:
+        print("vs_llamacpp: skipped: set LLAMA_CPP_DIR to a llama.cpp build (llama-batched-bench, llama-simple)")
+        return 0
+    bench, simple = find_tool(Path(root), "llama-batched-bench"), find_tool(Path(root), "llama-simple")
+    if bench is None or simple is None:
+        print(f"vs_llamacpp: {root} has no llama-batched-bench / llama-simple (looked in ., bin, build/bin)")
+        return 1
+    from flashnext.serve.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="flashnext-vs-llamacpp-") as tmp:
+        model, gguf = build(dtype, args.seed, Path(tmp))
+        equal, n = agreement(model, simple, gguf, args.threads)
+        print(f"# agreement: {equal}/{n} greedy tokens equal", flush=True)
+        if equal < n:
+            print("vs_llamacpp: llama.cpp computes another function from this file: not timing it")
+            return 1
+        for b in args.batches:
+            engine = Engine(model, max_slots=b, max_model_len=PROMPT_LEN + NEW_TOKENS + 1,
+                            decode_graph=args.decode_graph, decode_buckets=[b])  # fmt: skip
+            if engine.decode_graph is not None:
+                print(f"# decode graph batch={b}: compiled in {engine.decode_graph.warmup()[b]:.1f} s", flush=True)
+            times, loads = {"ours": [], "llama.cpp": []}, []
+            for rep in range(args.repeats):
+                loads.append(os.getloadavg()[0])
+                times["ours"].append(ours_seconds(engine, model.config.vocab_size, b, args.seed + rep))
+                times["llama.cpp"].append(llamacpp_seconds(bench, gguf, b, args.threads))
+            t = {k: statistics.median(v) for k, v in times.items()}
+            ours, theirs = b * NEW_TOKENS / t["ours"], b * NEW_TOKENS / t["llama.cpp"]
+            print(f"batch={b} ours={ours:.1f} llama.cpp={theirs:.1f} ratio={ours / theirs:.2f} load={max(loads):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
