@@ -152,7 +152,7 @@ class Trainer:
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
-        lp_train, entropy = token_logprobs(out.logits, torch.where(mask, targets, 0))
+        lp_train, entropy = token_logprobs(out.logits, torch.where(mask, targets, 0), self.cfg.rl.temperature)
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
         return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
