@@ -141,8 +141,14 @@ class FlashNextForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_step(
-        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        step: StepBatch,
+        cache,
+        inputs_embeds: torch.Tensor | None = None,
+        *,
+        return_routing: bool = False,
+    ):
         """One serving step over a flat stream of prefill chunks and decode tokens: `forward` with state.
 
         Args:
@@ -151,13 +157,18 @@ class FlashNextForCausalLM(nn.Module):
             cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place. The model
                 must have been prepared for serving (`flashnext.serve.prepare_for_inference`).
             inputs_embeds: optional [T, D] replacing the token embedding (see `FlashNextTextModel.forward`).
+            return_routing: also return the experts every token of the stream was routed to (router replay).
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
-            order; padding and zero-length entries produce no row.
+            order; padding and zero-length entries produce no row. With `return_routing`, `(logits, routed
+            experts int64 [T, L, k])`, the same ids `forward` returns for these tokens.
         """
-        hidden, _ = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=StepState(step, cache.layers))
-        return last_token_logits(self.lm_head, hidden, step)
+        hidden, routed = self.model(
+            input_ids, step.seg, inputs_embeds=inputs_embeds, state=StepState(step, cache.layers)
+        )
+        logits = last_token_logits(self.lm_head, hidden, step)
+        return (logits, routed) if return_routing else logits
 
     def _check_replay(self, routed_experts: torch.Tensor | None, num_tokens: int) -> None:
         """Host-side shape/dtype check of a router replay, int [T, L, k] (expert ids' range: the data loader's job)."""
