@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_helpers import text_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
@@ -112,7 +111,7 @@ def test_torchrun_world_2_trainer_and_a_server_process(tmp_path):
     assert tables  # the model has an n-gram table, owner-routed
     received = {name: 0 for name in tables}
     for rank, r in enumerate(reports):
-        for name, rows, start, end, local in r["tables"]:
+        for _name, rows, start, end, local in r["tables"]:
             assert local == end - start < rows  # each rank holds its own rows only
         assert not any(shape and shape[0] in tables.values() for shape in r["gathered"])  # never gathered whole
         own = {t[0]: (t[2], t[3]) for t in r["tables"]}

@@ -175,7 +175,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         embeds = self.embed(ids, pixel_values, image_grid_thw, inputs.per_token["mm_token_type_ids"])
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
-        hidden, experts = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
+        hidden, experts, _ = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
         logits = self.lm_head(hidden)
         labels = inputs.per_token["labels"]
         loss = None if labels is None else causal_lm_loss(logits, labels, seg)
@@ -213,7 +213,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never
         runs here."""
         state = StepState(step, cache.layers)
-        hidden, routed = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        hidden, routed, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         logits = last_token_logits(self.lm_head, hidden, step)
         return (logits, routed) if return_routing else logits
 

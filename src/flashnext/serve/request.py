@@ -36,6 +36,9 @@ class Completion:
             back); None unless `return_routed_experts` was asked.
         weight_version: the engine's weight version when the request was admitted (weight updates wait for
             running requests to finish, so every token of a request comes from that version).
+        num_draft_tokens: MTP draft tokens verified for this choice (speculative decoding; 0 without).
+        num_accepted_tokens: of those, accepted.
+        num_verify_steps: steps that verified drafts (each emits the accepted drafts plus one token).
     """
 
     request_id: str
@@ -49,6 +52,9 @@ class Completion:
     error: str | None = None
     routed_experts: torch.Tensor | None = None
     weight_version: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects (membership in the queues)
@@ -57,7 +63,8 @@ class Request:
 
     `num_cached` counts the known tokens (prompt, then generated ones) whose state is in the slot; after a failed
     step the slot is reset and `num_cached` restarts at 0, so the request is recomputed from its token history
-    (`suspect` until that recompute succeeds).
+    (`suspect` until that recompute succeeds). Speculative decoding (`spec_k` > 0, see `serve.speculative`): the
+    request's next step also feeds `drafts`; `mtp_cells` counts the positions whose MTP-head cell is in its slot.
     """
 
     request_id: str
@@ -86,6 +93,12 @@ class Request:
     mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
     routed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, uint16 [n, L, k])
     weight_version: int = 0  # the engine's weights when admitted
+    spec_k: int = 0  # draft tokens per step (0: no speculation)
+    drafts: list[int] = field(default_factory=list)  # proposed tokens after the last known one, to verify next
+    mtp_cells: int = 0  # positions whose MTP-head cell is cached (cells 0 .. mtp_cells - 1)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +107,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """The known tokens at positions start .. stop - 1 (prompt, then generated)."""
+        p = len(self.prompt_ids)
+        prompt = self.prompt_ids[start:stop] if start < p else []
+        return prompt + self.output_ids[max(0, start - p) : max(0, stop - p)]
 
     def pending_ids(self, n: int) -> list[int]:
         """The next n known tokens to feed: prompt tokens, then generated ones (a decode feeds the last one)."""
@@ -116,6 +135,9 @@ class Request:
             error=self.error,
             routed_experts=self.routed_experts() if self.params.return_routed_experts else None,
             weight_version=self.weight_version,
+            num_draft_tokens=self.num_drafted,
+            num_accepted_tokens=self.num_accepted,
+            num_verify_steps=self.num_verify_steps,
         )
 
     def record_routing(self, rows: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ GREEDY_BELOW = torch.finfo(torch.float32).tiny
 _FP32_MAX = torch.finfo(torch.float32).max
 LOGPROBS_MODES = ("raw", "processed")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class FieldError(InputError):
@@ -70,6 +71,9 @@ class SamplingParams:
             trainer recomputes; top-k / top-p truncation is not applied; a greedy request's are the raw ones).
         return_routed_experts: record the routed experts of every token the model runs for this request (prompt
             and generated, `Completion.routed_experts`), for a trainer's router replay.
+        num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
+            one step of the model (0 = off; None = the engine's default). The output distribution is the same
+            either way (greedy: the same tokens, up to float rounding of near ties).
     """
 
     max_tokens: int = 16
@@ -84,6 +88,7 @@ class SamplingParams:
     n: int = 1
     logprobs_mode: str = "raw"
     return_routed_experts: bool = False
+    num_speculative_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +114,12 @@ class SamplingParams:
         if self.logprobs_mode not in LOGPROBS_MODES:
             msg = f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             raise FieldError(msg, "logprobs_mode")
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise FieldError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
+                "num_speculative_tokens",
+            )
         bad = next((i for i, t in enumerate(self.stop_token_ids) if not _is_int(t)), None)
         if bad is not None:
             raise FieldError(
@@ -179,7 +190,7 @@ def sample(
         processed: `temperature_logprobs` at the row's temperature, the distribution it was sampled from).
     """
     logits = logits.float()
-    logprobs = _logprobs(logits, params) if with_logprobs else None
+    logprobs = mode_logprobs(logits, params) if with_logprobs else None
     # max (not argmax): the same one reduction gives the greedy token and, through the maximum, whether the row
     # is usable (NaN propagates into it, +inf is it).
     maxes, tokens = logits.max(-1)
@@ -200,7 +211,7 @@ def sample(
     return tokens, logprobs
 
 
-def _logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def mode_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """fp32 [n, V] log-probs of each row in its request's `logprobs_mode` (one batched op; a raw row divides by 1,
     which is exact, so mixing modes leaves raw rows bitwise unchanged)."""
     temps = [p.temperature if p.logprobs_mode == "processed" and not p.greedy else 1.0 for p in params]
@@ -213,6 +224,13 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
 def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen: torch.Generator | None):
     """One token of a non-greedy row [V] (a 1-element tensor). The distribution is valid for any logits: a
     non-finite row (reported FAILED by the caller) becomes uniform here rather than reaching `multinomial`."""
+    return torch.multinomial(target_probs(row, row_max, p), 1, generator=gen).squeeze(0)
+
+
+def target_probs(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The weights fp32 [V] a non-greedy row [V] samples from: temperature, then top-k, then top-p (what
+    speculative verification accepts drafts against; they sum to 1 unless top-p dropped tokens, so normalise
+    before reading one as a probability). `row_max`: the row's maximum (a 0-d tensor)."""
     scaled = (row - row_max).nan_to_num_(nan=0.0) / min(p.temperature, _FP32_MAX)
     if 0 < p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]  # on the raw logits: scaling keeps the order
@@ -225,4 +243,4 @@ def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
         drop[0] = False
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=gen).squeeze(0)
+    return probs
