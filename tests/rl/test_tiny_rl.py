@@ -26,6 +26,7 @@ def test_tiny_rl_recipe_raises_the_held_out_reward(tmp_path):
     assert (tmp_path / "runs" / "tiny-sft" / "final" / "config.json").exists()  # the warm start ran
     rows = [json.loads(x) for x in (tmp_path / "runs" / "tiny-rl" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["reward/eval_mean"] for r in rows if "reward/eval_mean" in r]
-    assert len(evals) >= 2 and evals[-1] > evals[0] + 0.15, evals  # the recipe gains ~+0.2-0.25 (noisy: greedy, 128 tasks)
+    # the recipe gains ~+0.2-0.25 (noisy: greedy on 128 tasks); 0.15 is a clear rise with a margin for the noise
+    assert len(evals) >= 2 and evals[-1] > evals[0] + 0.15, evals
     assert max(r["rl/mismatch_kl"] for r in rows if "loss" in r) <= 1e-6
     assert (tmp_path / "runs" / "tiny-rl" / "final" / "config.json").exists()
