@@ -75,10 +75,11 @@ def compare_greedy(plain, spec) -> list[tuple[int, int, float]]:
     return ties
 
 
-def full_forward_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """The target's log-probs of `output` after `prompt`, from one plain forward (no serving state), fp32 [n]."""
+def full_forward_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The target's log-probs of `output` after `prompt` (of `softmax(logits / temperature)`), from one plain
+    forward (no serving state), fp32 [n]."""
     ids = torch.tensor(prompt + output)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float(), -1)
+        logp = torch.log_softmax(model(ids).logits.float() / temperature, -1)
     at = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
     return logp[at, torch.tensor(output)]

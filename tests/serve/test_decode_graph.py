@@ -157,6 +157,25 @@ def test_speculating_requests_stay_eager_and_exact(small_config):
     assert engine.decode_graph.compiles == 1
 
 
+def test_routed_experts_requests_stay_eager(model):
+    """A request recording its routed experts (RL router replay) never runs through the graph (it returns logits
+    only), so it still gets a row of experts per token it ran; a plain request, alone once the other finishes,
+    decodes through the graph."""
+    prompts = _prompts(2, 4)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, return_routed_experts=r)
+              for m, r in ((5, True), (12, False))]  # fmt: skip
+    engine = Engine(model, max_slots=4, max_model_len=48, max_num_batched_tokens=32, decode_graph=True,
+                    compile_backend="eager")  # fmt: skip
+    ran = []
+    run = engine.decode_graph.run
+    engine.decode_graph.run = lambda ids, slots, cached: ran.append(list(slots)) or run(ids, slots, cached)
+    routed, plain = engine.generate(prompts, params)
+    cfg = model.config
+    assert routed.routed_experts.shape == (len(prompts[0]) + 4, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert plain.routed_experts is None
+    assert ran and all(len(s) == 1 for s in ran)  # only the plain request, alone
+
+
 def test_bucket_sizes():
     assert bucket_sizes(None, 16) == [1, 2, 4, 8, 16]
     assert bucket_sizes([4, 1], 6) == [1, 4, 6]  # max_slots closes the list

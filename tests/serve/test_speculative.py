@@ -235,6 +235,23 @@ def test_sampled_log_probs_are_the_targets(model):
         assert [t[0][1] >= lp for t, lp in zip(out.top_logprobs, out.logprobs, strict=True)]
 
 
+def test_processed_log_probs_and_routed_experts_under_speculation(model):
+    """With k = 3: a `logprobs_mode="processed"` request reports the log-probs of the distribution it sampled from
+    (the RL trainer's definition) for tokens of verify steps too; a request that records its routed experts does not
+    speculate and records a row per token it ran."""
+    engine = _engine(model, 3)
+    params = [SamplingParams(max_tokens=20, temperature=0.7, seed=i, ignore_eos=True, logprobs=0,
+                             logprobs_mode="processed", return_routed_experts=i == 1) for i in range(2)]  # fmt: skip
+    outs = engine.generate(PROMPTS[:2], params)
+    assert outs[0].num_verify_steps > 0 and outs[1].num_draft_tokens == 0  # verified tokens report through `verify`
+    for prompt, out in zip(PROMPTS[:2], outs, strict=True):
+        want = full_forward_logprobs(model, prompt, out.token_ids, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-5, rtol=0)
+    cfg = model.config
+    assert outs[0].routed_experts is None
+    assert outs[1].routed_experts.shape == (len(PROMPTS[1]) + 19, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+
+
 # ---- n choices, failures, refusals, metrics -------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [48, 39], ids=["one-chunk", "chunked-one-left"])
 def test_n_choices_speculate(model, plain, budget):

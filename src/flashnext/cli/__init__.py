@@ -5,11 +5,14 @@ Commands (`flashnext` alone prints the help; an unknown one is an error with a d
         prompt (text or `--ids`), printing the completion.
     train, plot (`cli/train.py`): `flashnext train --config run.toml [--section.field=value ...]` (its own parser);
         PNG curves of a run's `metrics.jsonl` (needs the `plot` extra).
+    rl (`cli/rl.py`): `flashnext rl --config run.toml [--inference-url URL] [--section.field=value ...]`: rollouts,
+        rewards, IPO steps and weight sync (its own parser, like train).
     convert, quantize (`cli/checkpoints.py`): a training checkpoint -> the official Hugging Face layout; a
         checkpoint whose n-gram tables are FP8.
     demo, flops (`cli/demo.py`): build, save, reload and run the tiny model with self-checks; forward FLOPs of a
         packed batch per component.
-`python -m flashnext ...` is the same command line (the torchrun entry point: `torchrun ... -m flashnext train`).
+`python -m flashnext ...` is the same command line (the torchrun entry points: `torchrun ... -m flashnext train`,
+`torchrun ... -m flashnext rl --inference-url URL`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from flashnext.cli.checkpoints import _add_convert_args, _add_quantize_args, run_convert, run_quantize
 from flashnext.cli.demo import DemoCheckFailed, _add_demo_args, _add_flops_args, run_demo, run_flops
+from flashnext.cli.rl import main as _run_rl
 from flashnext.cli.serving import _add_generate_args, _add_serve_args, _serve_app, run_generate, run_serve
 from flashnext.cli.train import _add_plot_args, run_plot
 from flashnext.cli.train import main as _run_train
@@ -36,13 +40,14 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "serve": ("OpenAI-compatible HTTP server (default: the tiny model)", _add_serve_args, run_serve),
     "generate": ("generate from one prompt (default: the tiny model)", _add_generate_args, run_generate),
     "train": ("train on packed sequences from a TOML run config (flashnext train --help)", _no_args, _run_train),
+    "rl": ("RL: engine rollouts, environment rewards, IPO steps, weight sync (flashnext rl --help)", _no_args, _run_rl),
     "plot": ("PNG curves (loss, eval loss, lr, tokens/s, ...) of a run's metrics.jsonl", _add_plot_args, run_plot),
     "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
     "demo": ("build, save, reload and run the embedded tiny model (self-checks)", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
     "quantize": ("write a checkpoint with FP8 n-gram tables", _add_quantize_args, run_quantize),
 }
-_RAW_ARGV = {"train"}  # commands handed their arguments unparsed
+_RAW_ARGV = {"train", "rl"}  # commands handed their arguments unparsed
 
 
 def _version() -> str:

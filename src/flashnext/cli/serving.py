@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 import time
 
@@ -122,7 +123,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /inference/*")
+    p.add_argument(
+        "--admin-key", default=None,
+        help="enable the weight-update routes (/admin/weights/*, what `flashnext rl --inference-url` syncs through) "
+        "behind `Authorization: Bearer KEY` (default: $FLASHNEXT_ADMIN_KEY if set, else disabled)",
+    )  # fmt: skip
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -164,7 +170,10 @@ def _serve_app(args: argparse.Namespace):
         raise FlashNextError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     engine, name = _build_engine(args)
     name = args.served_model_name or name
-    app = build_app(engine, name, args.api_key, model_dir=args.model, max_request_bytes=args.max_request_bytes)
+    admin_key = args.admin_key if args.admin_key is not None else os.environ.get("FLASHNEXT_ADMIN_KEY") or None
+    app = build_app(
+        engine, name, args.api_key, model_dir=args.model, max_request_bytes=args.max_request_bytes, admin_key=admin_key
+    )
     return app, name, engine
 
 

@@ -26,9 +26,9 @@ Train on packed sequences as the run config says (defaults: the embedded tiny mo
 """
 
 
-def parse_args(argv: list[str]) -> tuple[RunConfig, bool]:
-    """`flashnext train` arguments -> (run config, print_config)."""
-    from flashnext.train.config import load_run_config
+def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[RunConfig, bool]:
+    """`flashnext train` arguments -> (run config, print_config); `cls`: the config class (`flashnext rl`'s)."""
+    from flashnext.train.config import RunConfig, load_run_config
 
     config_path, overrides, print_config = None, [], False
     i = 0
@@ -59,10 +59,10 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, bool]:
             overrides.append(arg)
         else:
             raise ConfigError(
-                f"unknown argument {arg!r}: overrides take the form --section.field=value (flashnext train --help)"
+                f"unknown argument {arg!r}: overrides take the form --section.field=value (--help lists the options)"
             )
         i += 1
-    return load_run_config(config_path, overrides), print_config
+    return load_run_config(config_path, overrides, cls or RunConfig), print_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,7 +172,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         FlashNextForCausalLM._check_ids(self, ids)
         FlashNextForCausalLM._check_replay(self, routed_experts, ids.shape[0])
         self._check_images(pixel_values, image_grid_thw)
-        embeds = self.embed(ids, pixel_values, image_grid_thw)
+        embeds = self.embed(ids, pixel_values, image_grid_thw, inputs.per_token["mm_token_type_ids"])
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
         hidden, experts, _ = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
@@ -201,13 +201,21 @@ class FlashNextForConditionalGeneration(nn.Module):
 
     @torch.no_grad()
     def forward_step(
-        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """One serving step, as `FlashNextForCausalLM.forward_step`; image features come in `inputs_embeds`
-        (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs here."""
+        self,
+        input_ids: torch.Tensor,
+        step: StepBatch,
+        cache,
+        inputs_embeds: torch.Tensor | None = None,
+        *,
+        return_routing: bool = False,
+    ):
+        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing` too); image features come in
+        `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never
+        runs here."""
         state = StepState(step, cache.layers)
-        hidden, _, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
-        return last_token_logits(self.lm_head, hidden, step)
+        hidden, routed, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        logits = last_token_logits(self.lm_head, hidden, step)
+        return (logits, routed) if return_routing else logits
 
     def state_spec(self, max_len: int) -> list[dict]:
         """Per decoder layer, the per-sequence serving state (the vision tower keeps none)."""
@@ -233,16 +241,25 @@ class FlashNextForConditionalGeneration(nn.Module):
         return self.visual(pixel_values, image_grid_thw)
 
     def embed(
-        self, ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+        self,
+        ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings [T, D] with image features scattered into the placeholder positions."""
+        """Token embeddings [T, D] with image features scattered into the placeholder positions.
+
+        `mm_token_type_ids` (int [T], 1 = image), when given, says which tokens are placeholders: a placeholder id
+        the model generated after the prompt is a text token (as in a cached decode), so an RL rollout that holds
+        one trains on what was served. Default: every `image_token_id`.
+        """
         embeds = self.model.language_model.embed_tokens(ids)
         if pixel_values is None:
             return embeds
         if image_grid_thw is None:
             raise InputError("pixel_values given without image_grid_thw")
         feats = self.get_image_features(pixel_values, image_grid_thw).to(embeds.dtype)
-        mask = ids == self.image_token_id
+        mask = ids == self.image_token_id if mm_token_type_ids is None else mm_token_type_ids.bool()
         n_tokens = int(mask.sum())
         if n_tokens != feats.shape[0]:
             raise InputError(

@@ -203,6 +203,7 @@ class FlashNextForCausalLM(nn.Module):
         cache,
         inputs_embeds: torch.Tensor | None = None,
         *,
+        return_routing: bool = False,
         rows: torch.Tensor | None = None,
         with_residual: bool = False,
     ):
@@ -217,19 +218,23 @@ class FlashNextForCausalLM(nn.Module):
             rows: int64 [R] stream indices whose logits to return instead (e.g. every verified position of a
                 speculative entry).
             with_residual: also return the pre-final-mixer residual [T, hc*D] of every token (the MTP head's input).
+            return_routing: also return the experts every token of the stream was routed to (router replay).
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
             order (padding and zero-length entries produce no row; a static step returns all N rows, padding
-            included), or [R, V] for `rows`; with `with_residual`, `(logits, residual)`.
+            included), or [R, V] for `rows`. With `with_residual` and/or `return_routing`, a tuple
+            `(logits, residual)`, `(logits, routed)` or `(logits, residual, routed)` (routed: int64 [T, L, k], the
+            same expert ids `forward` returns for these tokens).
         """
         state = StepState(step, cache.layers)
-        hidden, _, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        hidden, routed, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
             logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
-        return (logits, residual) if with_residual else logits
+        extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
+        return (logits, *extras) if extras else logits
 
     @torch.no_grad()
     def draft_step(

@@ -61,9 +61,15 @@ def decode_only(plan) -> bool:
     """Whether an engine plan [(request, tokens)] is a decode-only step the graph can run: one token per request,
     every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table), and no
     speculating request (its step verifies drafts riding along and needs the trunk's residual for its MTP head:
-    `serve.speculative`'s eager path)."""
+    `serve.speculative`'s eager path), and no request recording its routed experts (RL router replay: the graph
+    returns logits only)."""
     return all(
-        n == 1 and req.num_cached >= len(req.prompt_ids) and req.mrope is None and not req.spec_k and not req.drafts
+        n == 1
+        and req.num_cached >= len(req.prompt_ids)
+        and req.mrope is None
+        and not req.spec_k
+        and not req.drafts
+        and not req.params.return_routed_experts
         for req, n in plan
     )
 

@@ -45,6 +45,13 @@ finishes, so a recompute can run the tower again. Decode tokens rotate at `row +
 
 `generate(prompts, params)` is the synchronous API; the HTTP server drives `step()` from a background thread and
 streams through each request's `on_update` callback.
+
+RL (`flashnext.rl`): a request can ask for the routed experts of every token the model runs for it
+(`return_routed_experts`, recorded from the step's routing) and for log-probs of the distribution it samples
+(`logprobs_mode="processed"`). `load_weights` copies a trainer's new weights into the model in place between steps
+(the fused serving weights rebuild themselves on next use); with `admitting = False` the engine finishes its running
+requests without starting queued ones, which is how a weight update waits for in-flight requests (none is lost,
+each runs on one version of the weights: `weight_version`, recorded per request).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from flashnext.serve.sampling import (
 )
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
+from flashnext.serve.weight_update import copy_pieces
 
 __all__ = ["Completion", "Engine", "EngineStats", "Request"]
 
@@ -143,6 +151,8 @@ class Engine:
         self._finished: list[Request] = []  # finished during the current step
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.admitting = True  # False: finish the running requests, start no queued one (a weight update waits)
+        self.weight_version = 0  # bumped by whoever updates the weights; recorded on each admitted request
         self.num_speculative_tokens = k
         has_mtp = getattr(model, "mtp", None) is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
@@ -188,6 +198,8 @@ class Engine:
         spec_k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
         if spec_k and self.speculator is None:
             raise FieldError(f"num_speculative_tokens={spec_k}: {NO_MTP}", "num_speculative_tokens")
+        if params.return_routed_experts:  # drafts' experts would need trimming on rejection; same tokens without them
+            spec_k = 0
         mrope = None
         if pixel_values is not None or image_grid_thw is not None:
             mrope = self._image_positions(ids, pixel_values, image_grid_thw)
@@ -265,6 +277,12 @@ class Engine:
         except (TypeError, ValueError):
             raise FieldError("a prompt is a string or a sequence of token ids (ints)", "prompt") from None
 
+    def load_weights(self, pieces) -> tuple[int, int]:
+        """Copy new weights into the model in place: `(name, tensor[, start row])` pieces by state-dict name
+        (`serve.weight_update.copy_pieces`; the fused serving weights rebuild on next use). Call it between steps,
+        from the thread that steps the engine or while that thread is parked. Returns (pieces, bytes copied)."""
+        return copy_pieces(self.model, pieces)
+
     def has_unfinished(self) -> bool:
         with self._lock:
             pending = bool(self._incoming)
@@ -278,23 +296,25 @@ class Engine:
         if plan:
             t0 = time.perf_counter()
             try:
-                logits = self._forward(plan)
+                out, routing = self._forward(plan)
             except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
                 self._recover(plan, exc)
             else:
-                self._advance(plan, logits, t0)
+                self._advance(plan, out, t0, routing)
         done, self._finished = self._finished, []
         return done
 
-    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor | SpecForward:
+    def _forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor | SpecForward, torch.Tensor | None]:
         """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
-        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs. A
-        decode-only step without speculation runs as the decode graph, when the engine has one."""
+        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs; and
+        the stream's routed experts [T, L, k] when a request of the plan asked for them (else None). A decode-only
+        step without speculation or routing runs as the decode graph, when the engine has one."""
         if self.decode_graph is not None and decode_only(plan):
-            return self.decode_graph.run(
+            logits = self.decode_graph.run(
                 [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
                 [req.num_cached for req, _ in plan],
             )  # fmt: skip
+            return logits, None
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n) + req.drafts
@@ -307,22 +327,29 @@ class Engine:
         with torch.inference_mode():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             embeds = self._prompt_embeds(plan, ids_t, cu)
+            routing = any(req.params.return_routed_experts for req, _ in plan)
             if self.speculator is not None and any(req.spec_k for req, _ in plan):
-                return self.speculator.forward(ids_t, step, embeds, plan, cu)
-            return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds)
+                return self.speculator.forward(ids_t, step, embeds, plan, cu, routing)
+            if routing:
+                return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds, return_routing=True)
+            return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds), None
 
-    def _advance(self, plan: list[tuple[Request, int]], out: torch.Tensor | SpecForward, t0: float) -> None:
+    def _advance(self, plan: list[tuple[Request, int]], out: torch.Tensor | SpecForward, t0: float, routing=None):
         """After a successful forward: count the fed tokens, fork n-choice prompts, sample the due entries, verify
-        drafts and propose new ones (speculative steps)."""
+        drafts and propose new ones (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests
+        that asked keep their rows; they never carry drafts, see `add_request`)."""
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
         rows, to_sample, to_verify, cells = [], [], [], []
-        prompt_fed = recomputed = 0
+        prompt_fed = recomputed = offset = 0
         for i, (req, n) in enumerate(plan):
             if req.suspect:
                 recomputed += n
             else:
                 prompt_fed += max(0, min(n, len(req.prompt_ids) - req.num_cached))
+            if req.params.return_routed_experts:
+                req.record_routing(routing[offset : offset + n])
+            offset += n + len(req.drafts)  # the stream carries each entry's drafts after its tokens
             req.num_cached += n
             if req.num_cached >= len(req.prompt_ids):
                 req.prompt_embeds = None  # prefilled: nothing of the vision tower stays
@@ -383,6 +410,7 @@ class Engine:
         for child in children:
             self.cache.copy_slot(parent.slot, child.slot)
             child.num_cached, child.mtp_cells = parent.num_cached, parent.mtp_cells
+            child.routed = list(parent.routed)  # the shared prompt's experts
             self.running.append(child)
         return children
 
@@ -401,6 +429,7 @@ class Engine:
             self.cache.reset_slot(req.slot)  # partly written by the failed step
             req.num_cached = req.mtp_cells = 0
             req.prompt_embeds, req.drafts = None, []
+            req.routed = []  # recomputed from the start
             if not req.suspect:
                 req.suspect = True
                 self._suspects.append(req)
@@ -464,11 +493,13 @@ class Engine:
             plan.append((req, n))
             budget -= n + len(req.drafts)
         # A request with n choices is admitted when its n slots are free (its children reserve theirs now).
-        while budget > 0 and self.waiting and self.cache.free_slots > len(self.waiting[0].forks):
+        while self.admitting and budget > 0 and self.waiting and self.cache.free_slots > len(self.waiting[0].forks):
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
             for child in req.forks:
                 child.slot = self.cache.allocate()
+            for choice in req.choices:
+                choice.weight_version = self.weight_version
             self.running.append(req)
             n = min(budget, len(req.prompt_ids))
             plan.append((req, n))

@@ -3,6 +3,8 @@
 A body over the limit gets 413 with an OpenAI-style error body before the application reads or parses any of
 it: with a `Content-Length` header at once; a chunked body is read up to the limit and refused when it goes past.
 An accepted chunked body is buffered (the application would buffer it to parse the JSON anyway) and replayed.
+Paths in `streamed` (the weight upload, which checks its key before reading and never holds the whole body) pass
+through unlimited and unbuffered.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ class BodySizeLimit:
     Args:
         app: the ASGI application to protect.
         max_bytes: the largest accepted body.
+        streamed: paths whose bodies are streamed to the application as they come (no limit).
     """
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES, streamed: tuple[str, ...] = ()):
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = streamed
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.streamed:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit():

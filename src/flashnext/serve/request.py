@@ -31,6 +31,11 @@ class Completion:
         finish_reason: "length", "stop", "abort" (cancelled) or "error" (failed; `error` says why).
         index: the choice's index among the request's n.
         error: why the request failed (finish_reason "error" or "abort"), else None.
+        routed_experts: uint16 [tokens run, L, k]: the experts of every token the model ran for this request, in
+            order (the prompt, then each generated token but the last, which ended the request before it was fed
+            back); None unless `return_routed_experts` was asked.
+        weight_version: the engine's weight version when the request was admitted (weight updates wait for
+            running requests to finish, so every token of a request comes from that version).
         num_draft_tokens: MTP draft tokens verified for this choice (speculative decoding; 0 without).
         num_accepted_tokens: of those, accepted.
         num_verify_steps: steps that verified drafts (each emits the accepted drafts plus one token).
@@ -45,6 +50,8 @@ class Completion:
     finish_reason: str | None
     index: int = 0
     error: str | None = None
+    routed_experts: torch.Tensor | None = None
+    weight_version: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
@@ -84,6 +91,8 @@ class Request:
     images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) until finished
     prompt_embeds: torch.Tensor | None = None  # [L, D] text + image features, while prefilling
     mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
+    routed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, uint16 [n, L, k])
+    weight_version: int = 0  # the engine's weights when admitted
     spec_k: int = 0  # draft tokens per step (0: no speculation)
     drafts: list[int] = field(default_factory=list)  # proposed tokens after the last known one, to verify next
     mtp_cells: int = 0  # positions whose MTP-head cell is cached (cells 0 .. mtp_cells - 1)
@@ -124,7 +133,23 @@ class Request:
             finish_reason=self.finish_reason,
             index=self.index,
             error=self.error,
+            routed_experts=self.routed_experts() if self.params.return_routed_experts else None,
+            weight_version=self.weight_version,
             num_draft_tokens=self.num_drafted,
             num_accepted_tokens=self.num_accepted,
             num_verify_steps=self.num_verify_steps,
         )
+
+    def record_routing(self, rows: torch.Tensor) -> None:
+        """Keep the experts [n, L, k] of the n tokens about to be counted as cached (from `num_cached` on)."""
+        self.routed.append((self.num_cached, rows.to(torch.uint16)))
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """uint16 [tokens run, L, k] in position order; a recomputed position keeps its latest rows."""
+        if not self.routed:
+            return None
+        n = max(start + rows.shape[0] for start, rows in self.routed)
+        out = self.routed[0][1].new_empty((n, *self.routed[0][1].shape[1:]))
+        for start, rows in self.routed:
+            out[start : start + rows.shape[0]] = rows
+        return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.errors import InputError
+from flashnext.logprobs import temperature_logprobs
 
 log = logging.getLogger("flashnext.serve")
 
@@ -34,6 +35,7 @@ FAILED = -1
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below this (the smallest normal fp32 number) sample greedily: the T -> 0 limit."""
 _FP32_MAX = torch.finfo(torch.float32).max
+LOGPROBS_MODES = ("raw", "processed")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -64,6 +66,11 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS id.
         logprobs: None = no log-probs; 0 = the sampled token's; n > 0 = also the top n per position.
         n: completions of the prompt; they share its prefill (the prompt's state is computed once and copied).
+        logprobs_mode: "raw" = log-probs of the model's distribution (temperature-free); "processed" = of the
+            distribution sampled from, `flashnext.logprobs.temperature_logprobs(logits, temperature)` (what an RL
+            trainer recomputes; top-k / top-p truncation is not applied; a greedy request's are the raw ones).
+        return_routed_experts: record the routed experts of every token the model runs for this request (prompt
+            and generated, `Completion.routed_experts`), for a trainer's router replay.
         num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
             one step of the model (0 = off; None = the engine's default). The output distribution is the same
             either way (greedy: the same tokens, up to float rounding of near ties).
@@ -79,6 +86,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    logprobs_mode: str = "raw"
+    return_routed_experts: bool = False
     num_speculative_tokens: int | None = None
 
     @property
@@ -102,6 +111,9 @@ class SamplingParams:
             raise FieldError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
         if not _is_int(self.n) or self.n < 1:
             raise FieldError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            msg = f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            raise FieldError(msg, "logprobs_mode")
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
             raise FieldError(
@@ -174,11 +186,11 @@ def sample(
 
     Returns:
         tokens int64 [n] (`FAILED` for a row with non-finite logits or a sampling error) and logprobs fp32
-        [n, V] (log-softmax of the raw logits: the model's distribution, which is what a trainer's
-        `token_logprobs` computes for the same position).
+        [n, V]: per row as its `logprobs_mode` says (raw: `log_softmax` of the logits, the model's distribution;
+        processed: `temperature_logprobs` at the row's temperature, the distribution it was sampled from).
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None
+    logprobs = mode_logprobs(logits, params) if with_logprobs else None
     # max (not argmax): the same one reduction gives the greedy token and, through the maximum, whether the row
     # is usable (NaN propagates into it, +inf is it).
     maxes, tokens = logits.max(-1)
@@ -197,6 +209,16 @@ def sample(
     if failed:
         tokens[failed] = FAILED
     return tokens, logprobs
+
+
+def mode_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 [n, V] log-probs of each row in its request's `logprobs_mode` (one batched op; a raw row divides by 1,
+    which is exact, so mixing modes leaves raw rows bitwise unchanged)."""
+    temps = [p.temperature if p.logprobs_mode == "processed" and not p.greedy else 1.0 for p in params]
+    if all(t == 1.0 for t in temps):
+        return temperature_logprobs(logits)
+    t = torch.tensor(temps, dtype=torch.float32, device=logits.device)[:, None].clamp_max(_FP32_MAX)
+    return temperature_logprobs(logits, t)
 
 
 def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen: torch.Generator | None):

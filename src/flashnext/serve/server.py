@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from flashnext.errors import FlashNextError
+from flashnext.serve import rl_routes
 from flashnext.serve.engine import Engine
 from flashnext.serve.formatting import FAILED_REASONS, Formatter, event, holdback
 from flashnext.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
@@ -55,6 +56,8 @@ class EngineLoop:
         self.log_every = log_every
         self._wake = threading.Event()
         self._stop = False
+        self._pause_until: float | None = None  # a weight update: finish the running requests, then park
+        self.parked = threading.Event()  # set while paused with nothing running: the engine is not touched
         self.thread = threading.Thread(target=self._run, name="flashnext-engine", daemon=True)
         self.thread.start()
 
@@ -66,9 +69,47 @@ class EngineLoop:
         self._wake.set()
         self.thread.join(timeout=5)
 
+    @property
+    def paused(self) -> bool:
+        return self._pause_until is not None
+
+    def pause(self, timeout: float) -> None:
+        """Stop admitting requests, let the running ones finish, and return once the engine is parked (then the
+        model may be changed from another thread). The pause ends by itself after `timeout` seconds."""
+        self.engine.admitting = False
+        self.parked.clear()
+        self._pause_until = time.monotonic() + timeout
+        self._wake.set()
+        while not self.parked.wait(0.05):
+            if self._stop or not self.paused:
+                raise RuntimeError("the engine loop stopped or the pause timed out before the engine was parked")
+
+    def resume(self) -> None:
+        self._pause_until = None
+        self.engine.admitting = True
+        self.parked.clear()
+        self._wake.set()
+
+    def _park(self) -> bool:
+        """While paused: True (the caller sleeps) once no request is running; the timeout resumes."""
+        if self._pause_until is None:
+            return False
+        if time.monotonic() > self._pause_until:
+            log.warning("weight update not ended within its timeout; resuming on the current weights")
+            self.resume()
+            return False
+        if self.engine.running:
+            return False
+        self.parked.set()
+        return True
+
     def _run(self) -> None:
         last_log = time.monotonic()
         while not self._stop:
+            if self._park():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
             if not self.engine.has_unfinished():
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -298,12 +339,13 @@ def _install_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+        if api_key and request.url.path.startswith(("/v1/", "/inference/")):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return _error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
 
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
+    # outermost: before auth reads anything; a weight upload streams (its handler checks the admin key first)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, streamed=(rl_routes.UPLOAD_PATH,))
 
 
 def build_app(
@@ -313,11 +355,13 @@ def build_app(
     model_dir=None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_every: float = 10.0,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
 
     `model_dir`: the checkpoint directory (its image processor config). `max_request_bytes`: larger request bodies
-    get 413. `log_every`: seconds between throughput log lines.
+    get 413 (weight uploads are exempt: they stream). `log_every`: seconds between throughput log lines.
+    `admin_key`: enables the weight-update routes (`serve/rl_routes.py`) behind `Authorization: Bearer KEY`.
     """
     routes = Routes(engine, model_name, model_dir)
 
@@ -335,6 +379,7 @@ def build_app(
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
     app.state.routes = routes
+    app.state.rl_routes = rl_routes.install(app, routes, admin_key)
     return app
 
 

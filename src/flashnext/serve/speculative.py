@@ -41,7 +41,7 @@ import torch
 from flashnext.model.state import make_step
 from flashnext.serve.cache import Snapshot, StateCache
 from flashnext.serve.request import Request
-from flashnext.serve.sampling import target_probs
+from flashnext.serve.sampling import mode_logprobs, target_probs
 from flashnext.serve.stats import EngineStats
 
 
@@ -98,9 +98,10 @@ class Speculator:
         self.device = next(model.parameters()).device
 
     # ---- the verify step ------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int]) -> SpecForward:
+    def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int], routing=False):
         """Run the model step over the plan's stream (drafts appended to their entries), keeping what verification
-        and proposal need. The slots that carry drafts are snapshotted first (see the module doc)."""
+        and proposal need. The slots that carry drafts are snapshotted first (see the module doc). Returns the
+        `SpecForward` and, with `routing`, the stream's routed experts [T, L, k] (else None)."""
         rows, first = [], []
         for i, (req, n) in enumerate(plan):
             if req.num_cached + n == req.num_tokens:  # reaches its last known token: samples (and verifies)
@@ -111,11 +112,12 @@ class Speculator:
         with_drafts = [req.slot for req, _ in plan if req.drafts]
         snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits, residual = self.model.forward_step(
-            ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True
+        logits, residual, *routed = self.model.forward_step(
+            ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True, return_routing=routing
         )
         cached = [req.num_cached for req, _ in plan]
-        return SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan])
+        out = SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan])
+        return out, (routed[0] if routing else None)
 
     def verify(self, req: Request, out: SpecForward, i: int) -> Verdict | None:
         """Accept entry i's drafts against the target's logits (see the module doc); None when a row is not
@@ -133,7 +135,7 @@ class Speculator:
             tokens, accepted = self._accept_sampled(rows, maxes, req)
         verdict = Verdict(tokens, accepted)
         if req.params.logprobs is not None:
-            lp = torch.log_softmax(rows[: len(tokens)], dim=-1)
+            lp = mode_logprobs(rows[: len(tokens)], [req.params] * len(tokens))  # raw or processed, as asked
             verdict.chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
             if req.params.logprobs:
                 verdict.top = torch.topk(lp, req.params.logprobs, dim=-1)

@@ -206,17 +206,22 @@ class RunConfig(BaseModel):
                 )
             fields = self.optim.model_dump(exclude={"total_steps"})
             self.optim = OptimConfig.model_validate({**fields, "total_steps": self.train.steps})
-        if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_path is not None):
-            raise FieldsError(
-                f"train.eval_every={self.train.eval_every} needs a held-out split: set data.eval_fraction or "
-                "data.eval_path",
-                ("train.eval_every", "data.eval_fraction", "data.eval_path"),
-            )
         if self.checkpoint.resume == "latest" and self.train.overwrite:
             raise FieldsError(
                 "train.overwrite=true deletes the checkpoints that checkpoint.resume='latest' would continue from; "
                 "give one of them",
                 ("train.overwrite", "checkpoint.resume"),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_source(self) -> RunConfig:
+        # Named so that a run config with other evaluation rules (`flashnext rl`'s) can replace this one.
+        if self.train.eval_every and not (self.data.eval_fraction or self.data.eval_path is not None):
+            raise FieldsError(
+                f"train.eval_every={self.train.eval_every} needs a held-out split: set data.eval_fraction or "
+                "data.eval_path",
+                ("train.eval_every", "data.eval_fraction", "data.eval_path"),
             )
         return self
 
@@ -288,12 +293,15 @@ class Origins:
         return f"from {self.file}"
 
 
-def run_config_from_dict(data: dict[str, Any], origins: Origins | str | None = None) -> RunConfig:
-    """Validate a nested dict; every problem is reported in one `ConfigError` as `section.field: message (got
-    value, from where)`, a problem with a combination of fields naming where each of them came from."""
+def run_config_from_dict(
+    data: dict[str, Any], origins: Origins | str | None = None, cls: type[RunConfig] = RunConfig
+) -> RunConfig:
+    """Validate a nested dict as `cls` (a `RunConfig` or an extension of it, e.g. the RL run config); every problem
+    is reported in one `ConfigError` as `section.field: message (got value, from where)`, a problem with a
+    combination of fields naming where each of them came from."""
     origins = origins if isinstance(origins, Origins) else Origins(file=origins, file_data=data)
     try:
-        return RunConfig.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as e:
         lines = [_problem(err, origins) for err in e.errors()]
         raise ConfigError("invalid run config: " + "; ".join(lines)) from None
@@ -313,8 +321,10 @@ def _problem(err: dict, origins: Origins) -> str:
     return f"{where}: {err['msg']} (got {err.get('input')!r}, {origins.of(loc)})"
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML run config (None: all defaults) and apply command-line overrides."""
+def load_run_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, cls: type[RunConfig] = RunConfig
+) -> RunConfig:
+    """Read a TOML run config (None: all defaults) as `cls` and apply command-line overrides."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -326,4 +336,4 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
     origins = Origins(None if path is None else str(path), copy.deepcopy(data), overrides)
     apply_overrides(data, list(overrides or []))
-    return run_config_from_dict(data, origins)
+    return run_config_from_dict(data, origins, cls)

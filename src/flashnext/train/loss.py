@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.batch import Segments, make_segments, next_token_targets
 from flashnext.errors import InputError
+from flashnext.logprobs import temperature_logprobs
 from flashnext.model.mtp import mtp_targets
 
 IGNORE_INDEX = -100
@@ -112,17 +113,21 @@ def mtp_loss(
     return _divide(total, num_mtp_tokens, "num_mtp_tokens")
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each target token and the entropy of each row, in fp32.
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of each row, in fp32, under a sampling temperature.
 
     Args:
         logits: [T, V]; row t is the distribution that produced `targets[t]` (already shifted by the caller).
         targets: int64 [T], valid vocabulary ids.
+        temperature: the distribution is `softmax(logits / temperature)`
+            (`flashnext.logprobs.temperature_logprobs`, the definition the engine's processed log-probs share).
 
     Returns:
         logprobs [T] (differentiable) and entropy [T] (differentiable), both fp32.
     """
-    logp_TV = F.log_softmax(logits.float(), dim=-1)
+    logp_TV = temperature_logprobs(logits, temperature)
     logprobs = logp_TV.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_TV.exp() * logp_TV).sum(-1)
     return logprobs, entropy
@@ -139,6 +144,10 @@ class RLLossConfig(BaseModel):
     """Weight of the advantage term -A * r of the per-token loss."""
     kl_tau: float = Field(1e-3, ge=0.0)
     """Weight of the (log r)^2 penalty that keeps the trainer near the inference policy (0 turns it off)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of the rollouts: the trainer's log-probs are those of `softmax(logits / temperature)`,
+    as the engine's processed log-probs (`flashnext rl` also samples with it; RL records must have been sampled
+    at it)."""
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -203,6 +212,8 @@ def _rl_metrics(
     entropy: torch.Tensor | None,
     logits: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
+    # In float64: in fp32, r - log r - 1 cancels to exactly 0 for |log r| below ~3e-4, hiding a real mismatch.
+    log_ratio = log_ratio.double()
     mismatch_kl = log_ratio.exp() - log_ratio - 1
     masked, unmasked = loss_mask & is_masked, loss_mask & ~is_masked
     n_loss = loss_mask.sum()

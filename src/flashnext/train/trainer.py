@@ -211,7 +211,7 @@ class Trainer:
 
     def _rl_loss(self, logits, targets, lp_infer, adv, num_loss_tokens: float):
         mask = targets != IGNORE_INDEX
-        lp_train, entropy = token_logprobs(logits, torch.where(mask, targets, 0))
+        lp_train, entropy = token_logprobs(logits, torch.where(mask, targets, 0), self.cfg.rl.temperature)
         return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
 
     def _counts(self, b: PackedBatch | ContextBatch) -> tuple[int, int, float, int]:

@@ -1,0 +1,100 @@
+"""`flashnext rl` (also `python -m flashnext rl` / `python -m flashnext.rl`, and under torchrun
+`torchrun ... -m flashnext rl --inference-url URL`): arguments, the SFT warm start, exit status."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from flashnext.errors import ConfigError, FlashNextError
+
+USAGE = """usage: flashnext rl [--config RUN.toml] [--inference-url URL] [--resume [latest|DIR] | --overwrite]
+                    [--print-config] [--SECTION.FIELD=V ...]
+
+RL: rollouts from an inference engine, environment rewards, IPO steps, weight sync (default: the tiny model on
+the `reverse` task, everything in this process).
+  --config PATH        TOML run config (sections model, optim, rl, train, checkpoint, log, orchestrator, env,
+                       inference; see flashnext/rl/config.py)
+  --inference-url URL  sample from a running `flashnext serve --admin-key KEY` (key in $FLASHNEXT_ADMIN_KEY) and
+                       send it the new weights (what a torchrun trainer uses)
+  --resume [WHERE]     continue from the newest readable checkpoint in <out_dir>/checkpoints, or from WHERE
+  --overwrite          start over in an out_dir holding a previous run
+  --print-config       print the resolved config as JSON and exit
+  --section.field=V    override one field (e.g. --orchestrator.group_size=8)
+"""
+
+
+def parse_args(argv: list[str]):
+    """`flashnext rl` arguments -> (RL run config, print_config)."""
+    from flashnext.cli.train import parse_args as parse_train_args
+    from flashnext.rl.config import RLRunConfig
+
+    rest = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if arg == "--inference-url" or arg.startswith("--inference-url="):
+            if "=" in arg:
+                url = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                url, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError("--inference-url needs a URL")
+            rest.append(f"--inference.url={json.dumps(url)}")
+        else:
+            rest.append(arg)
+        i += 1
+    return parse_train_args(rest, cls=RLRunConfig)
+
+
+def warm_start(cfg, say=print) -> None:
+    """Train the `warm_start` SFT run when `model.path` does not exist yet (its `final/` must be `model.path`)."""
+    if cfg.warm_start is None or Path(cfg.model.path).exists():
+        return
+    from flashnext.train.config import load_run_config
+    from flashnext.train.trainer import Trainer
+
+    sft = load_run_config(cfg.warm_start)
+    final = Path(sft.out_dir) / "final"
+    if final.resolve() != Path(cfg.model.path).resolve():
+        raise ConfigError(
+            f"warm_start={cfg.warm_start!r} writes {final}, but model.path={cfg.model.path!r}: make them the same"
+        )
+    say(f"warm start: {cfg.model.path} does not exist; training {cfg.warm_start} first")
+    resume = "latest" if (Path(sft.out_dir) / "checkpoints").exists() else None
+    Trainer(sft.model_copy(update={"checkpoint": sft.checkpoint.model_copy(update={"resume": resume})})).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `flashnext rl`. Every flashnext error ends the run with one line on stderr and status 1."""
+    from flashnext.train.failure import report_fatal
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg, print_config = parse_args(argv)
+        if print_config:
+            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+            return 0
+        from flashnext.parallel.dist import destroy_distributed, init_distributed
+        from flashnext.rl.loop import RLTrainer
+        from flashnext.train import run_dir
+        from flashnext.train.setup import resolve_device
+
+        run_dir.check_out_dir(cfg.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
+        device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
+        ctx = init_distributed(device=device)
+        if cfg.warm_start is not None and not Path(cfg.model.path).exists():
+            if ctx.distributed:
+                raise ConfigError(f"model.path={cfg.model.path!r} does not exist: run the warm-start SFT "
+                                  f"({cfg.warm_start}) first, in one process")  # fmt: skip
+            warm_start(cfg)
+        RLTrainer(cfg, ctx).run()
+        destroy_distributed(ctx)
+    except (FlashNextError, OSError, FloatingPointError) as e:
+        report_fatal(str(e))
+        return 1
+    return 0

@@ -1,0 +1,189 @@
+"""The orchestrator: each step's tasks -> group samples from the inference engine -> rewards -> advantages.
+
+Step s (1-based) samples `group_size` completions of tasks `(s - 1) * batch_size ... s * batch_size - 1` of the
+environment's train split; prompt i's seed is derived from `(orchestrator.seed, s, i)`, so what a step samples
+depends only on the seeds and the weights that sampled it, never on timing or batching: nothing but the rollouts
+already sampled for future steps needs a checkpoint.
+
+Off-policy pipeline (`RolloutPipeline`, `max_off_policy_steps` = k): at the start of trainer step s the engine holds
+the policy of step s - 1 and the pipeline launches the rollouts of step s + k with it, on a worker thread, while the
+trainer takes step s; the weight sync after step s waits for that worker (in-flight requests finish on the old
+weights). So step s trains on rollouts sampled by policy `max(0, s - 1 - k)`: staleness k (less in the first k
+steps), the same on every run. k = 0 is synchronous. A batch whose staleness exceeds the bound (e.g. a run resumed
+with a smaller k) is dropped and counted, and the step's rollouts are sampled afresh.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from flashnext.rl.envs import Environment
+from flashnext.rl.inference import GenRequest, SamplingSpec
+from flashnext.rl.rollouts import Sample, assign_advantages
+from flashnext.serve.sampling import choice_seed
+
+_FAILED = ("error", "abort")
+
+
+@dataclass
+class RolloutBatch:
+    """The scored samples of one step (after advantages and the zero-advantage filter) and their statistics."""
+
+    step: int
+    policy_step: int
+    samples: list[Sample]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def state(self) -> dict:
+        return {"step": self.step, "policy_step": self.policy_step, "stats": dict(self.stats),
+                "samples": [asdict(s) for s in self.samples]}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, d: dict) -> RolloutBatch:
+        return cls(d["step"], d["policy_step"], [Sample(**s) for s in d["samples"]], dict(d["stats"]))
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+
+
+class Orchestrator:
+    """Samples and scores the rollouts of a step, and evaluates the held-out split.
+
+    Args:
+        env: the environment (set up with the run's tokenizer and model config).
+        client: a `LocalInference` or `RemoteInference`.
+        spec: how training rollouts are sampled (temperature, budget, stop ids, routed experts).
+        batch_size, group_size: prompts per step, completions per prompt.
+        seed: the sampling seed; std_normalize, drop_zero: the advantage options.
+        eval_tasks, eval_temperature: the held-out evaluation.
+    """
+
+    def __init__(self, env: Environment, client, spec: SamplingSpec, batch_size: int, group_size: int, seed: int = 0,
+                 std_normalize: bool = False, drop_zero: bool = True, eval_tasks: int = 64,
+                 eval_temperature: float = 0.0):  # fmt: skip
+        self.env, self.client, self.spec = env, client, spec
+        self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
+        self.std_normalize, self.drop_zero = std_normalize, drop_zero
+        self.eval_tasks, self.eval_temperature = eval_tasks, eval_temperature
+
+    def prompt_seed(self, step: int, i: int) -> int:
+        return choice_seed(choice_seed(self.seed, step + 1), i + 1)
+
+    def _sample(self, split: str, indices: list[int], n: int, spec: SamplingSpec, step: int):
+        """[(task, [Choice])] for the tasks of `split` at `indices`, n completions each."""
+        tasks = [self.env.task(split, i) for i in indices]
+        reqs = [GenRequest(self.env.prompt(t), n, self.prompt_seed(step, j)) for j, t in enumerate(tasks)]
+        return tasks, reqs, self.client.generate(reqs, spec)
+
+    def rollouts(self, step: int, policy_step: int) -> RolloutBatch:
+        """Sample, score and weigh the rollouts of trainer step `step` with the engine's current weights (those of
+        trainer step `policy_step`)."""
+        t0 = time.perf_counter()
+        first = (step - 1) * self.batch_size
+        tasks, reqs, results = self._sample("train", list(range(first, first + self.batch_size)), self.group_size,
+                                            self.spec, step)  # fmt: skip
+        groups, failed, tokens = [], 0, 0
+        for g, (task, req, choices) in enumerate(zip(tasks, reqs, results, strict=True)):
+            group = []
+            for c in choices:
+                tokens += len(c.token_ids)
+                if c.finish_reason in _FAILED or not c.token_ids:
+                    failed += 1
+                    continue
+                score = self.env.score(task, self.env.tokenizer.decode(c.token_ids))
+                group.append(Sample(
+                    task, g, list(req.prompt.ids), list(c.token_ids), list(c.logprobs), float(score.reward),
+                    policy_step, c.finish_reason, dict(score.metrics), c.routed, req.prompt.pixel_values,
+                    req.prompt.image_grid_thw,
+                ))  # fmt: skip
+            groups.append(group)
+        everything = [s for group in groups for s in group]
+        kept, dropped = assign_advantages(groups, self.std_normalize, self.drop_zero)
+        seconds = time.perf_counter() - t0
+        mean, std = _mean_std([s.reward for s in everything])
+        stats = {"reward/mean": mean, "reward/std": std, "rollout/samples": len(everything),
+                 "rollout/kept": len(kept), "rollout/groups_zero_advantage": dropped, "rollout/failed": failed,
+                 "rollout/completion_tokens": tokens, "rollout/seconds": seconds,
+                 "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}  # fmt: skip
+        for key in sorted({k for s in everything for k in s.metrics}):
+            stats[f"reward/{key}"] = _mean_std([s.metrics.get(key, 0.0) for s in everything])[0]
+        return RolloutBatch(step, policy_step, kept, stats)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean and std of the reward (and each metric's mean) over the first `eval_tasks` held-out tasks, one
+        completion each at `eval_temperature`."""
+        if not self.eval_tasks:
+            return {}
+        spec = SamplingSpec(self.spec.max_tokens, self.eval_temperature, self.spec.stop_token_ids, False)
+        tasks, _, results = self._sample("eval", list(range(self.eval_tasks)), 1, spec, step=-1)
+        decode = self.env.tokenizer.decode
+        scores = [self.env.score(t, decode(r[0].token_ids)) for t, r in zip(tasks, results, strict=True)]
+        mean, std = _mean_std([s.reward for s in scores])
+        out = {"reward/eval_mean": mean, "reward/eval_std": std}
+        for key in sorted({k for s in scores for k in s.metrics}):
+            out[f"reward/eval_{key}"] = _mean_std([s.metrics.get(key, 0.0) for s in scores])[0]
+        return out
+
+
+class RolloutPipeline:
+    """Rollouts sampled ahead of the trainer by up to `max_off_policy_steps` steps (see the module doc).
+
+    Args:
+        orch: the orchestrator; max_off_policy_steps: k (0: sample each step's rollouts when it needs them).
+    """
+
+    def __init__(self, orch: Orchestrator, max_off_policy_steps: int):
+        self.orch, self.k = orch, max_off_policy_steps
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="flashnext-rollouts") if self.k else None
+        self.jobs: dict[int, Future | RolloutBatch] = {}
+        self.dropped_stale = 0
+
+    def launch(self, step: int, policy_step: int) -> None:
+        """Start sampling the rollouts of `step` with the engine's current weights (no-op if already started)."""
+        if step in self.jobs:
+            return
+        if self.pool is None:
+            self.jobs[step] = self.orch.rollouts(step, policy_step)
+        else:
+            self.jobs[step] = self.pool.submit(self.orch.rollouts, step, policy_step)
+
+    def get(self, step: int, policy_step: int) -> tuple[RolloutBatch, int]:
+        """The rollouts of `step` (trained at current policy `policy_step`) and how many samples were dropped as
+        too stale; a stale batch is replaced by one sampled now."""
+        job = self.jobs.pop(step, None)
+        batch = job.result() if isinstance(job, Future) else job
+        dropped = 0
+        if batch is not None and policy_step - batch.policy_step > self.k:
+            dropped = len(batch.samples)
+            batch = None
+        if batch is None:
+            self.wait_idle()
+            batch = self.orch.rollouts(step, policy_step)
+        self.dropped_stale += dropped
+        return batch, dropped
+
+    def wait_idle(self) -> None:
+        """Wait until no rollout is being sampled (before the engine's weights change)."""
+        for job in list(self.jobs.values()):
+            if isinstance(job, Future):
+                job.result()
+
+    def state_dict(self) -> dict:
+        """The rollouts sampled for future steps (call when idle)."""
+        self.wait_idle()
+        batches = [j.result() if isinstance(j, Future) else j for j in self.jobs.values()]
+        return {"pending": [b.state() for b in batches], "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.jobs = {d["step"]: RolloutBatch.from_state(d) for d in state.get("pending", [])}
+        self.dropped_stale = int(state.get("dropped_stale", 0))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
