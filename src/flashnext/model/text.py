@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.batch import Segments, flatten_inputs, integer_tensor, next_token_targets
+from flashnext.batch import ModelInputs, Segments, flatten_inputs, integer_tensor, next_token_targets
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.deltanet import GatedDeltaNet
@@ -24,16 +24,28 @@ from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
 from flashnext.model.state import StepBatch, StepState, plan_blocks
+from flashnext.ops import lm_head as lm_head_ops
 
 
 @dataclass
 class CausalLMOutput:
-    """logits: [B, S, V] (padded input) or [T, V] (flat); loss: mean CE over label tokens;
-    routed_experts: int64 [T, L, k] (flat order) when requested."""
+    """A forward's outputs (per-token ones in the caller's layout: [B, S, ...] padded, [T, ...] flat).
 
-    logits: torch.Tensor
+    Attributes:
+        logits: [B, S, V] / [T, V]; None when the forward was asked for losses only (`return_logits=False`).
+        loss: mean next-token CE over label tokens (fp32), with `labels`.
+        routed_experts: int64 [T, L, k] (flat order).
+        loss_sum: the fp32 CE summed over the label tokens (what `loss` averages), with `labels`.
+        logprobs, entropy: fp32 [B, S] / [T], with `logprob_targets`: the log-prob of each row's target and the
+            entropy of the row's distribution.
+    """
+
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class FlashNextTextModel(nn.Module):
@@ -108,6 +120,8 @@ class FlashNextForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        logprob_targets: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
@@ -117,6 +131,11 @@ class FlashNextForCausalLM(nn.Module):
             labels: same layout as `input_ids`; the loss predicts `labels[t+1]` from token t within a sequence
                 (-100 = no loss), averaged over all label tokens.
             routed_experts: int [T, L, k] (flat order) to replay the router's expert choice.
+            logprob_targets: same layout as `input_ids`, a vocabulary id per row (already shifted: row t's target
+                is scored by row t's distribution): `out.logprobs` and `out.entropy`.
+            return_logits: False computes the loss / log-probs without materialising the [T, V] logits
+                (`ops.lm_head`, row chunks; `out.logits` is None). The numbers equal the logits path to fp32
+                rounding.
 
         An empty batch (`[0, S]` or `[0]` ids) returns empty logits (`[0, S, V]` / `[0, V]`).
 
@@ -125,15 +144,17 @@ class FlashNextForCausalLM(nn.Module):
                 the vocabulary, or `routed_experts` that are not `[T, L, k]` integers.
         """
         inputs = flatten_inputs(
-            input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels
+            input_ids,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            labels=labels,
+            logprob_targets=logprob_targets,
         )
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
         hidden, experts = self.model(inputs.ids, inputs.seg, routed_experts)
-        logits = self.lm_head(hidden)
-        labels = inputs.per_token["labels"]
-        loss = None if labels is None else causal_lm_loss(logits, labels, inputs.seg)
-        return CausalLMOutput(logits=inputs.pad_back(logits), loss=loss, routed_experts=experts)
+        return head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
 
     def state_spec(self, max_len: int) -> list[dict]:
         """Per layer, the per-sequence serving state of its stateful parts (what `StateCache` allocates)."""
@@ -237,3 +258,36 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) ->
     """Next-token CE within each sequence, in fp32, averaged over label tokens. logits [T, V], labels [T]."""
     nxt = next_token_targets(labels, seg)
     return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()
+
+
+def head_outputs(
+    lm_head: nn.Linear, hidden: torch.Tensor, inputs: ModelInputs, experts: torch.Tensor, return_logits: bool
+) -> CausalLMOutput:
+    """The LM head's outputs of a forward: logits, and the loss / target log-probs the inputs ask for.
+
+    With `return_logits` the logits [T, V] are materialised and the losses computed from them (the plain path);
+    without, `ops.lm_head` computes them in row chunks (the fast path: no [T, V] tensor; equal to fp32 rounding).
+
+    Args:
+        hidden: [T, D] the final hidden states; inputs: the forward's `ModelInputs` (`labels`,
+            `logprob_targets` in `per_token`); experts: the routed experts to pass through.
+    """
+    labels, targets = inputs.per_token.get("labels"), inputs.per_token.get("logprob_targets")
+    logits = lm_head(hidden) if return_logits else None
+    out = CausalLMOutput(logits=None if logits is None else inputs.pad_back(logits), routed_experts=experts)
+    if labels is not None:
+        nxt = next_token_targets(labels, inputs.seg)
+        if logits is not None:
+            out.loss_sum = F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum")
+        else:
+            out.loss_sum = lm_head_ops.linear_cross_entropy(hidden, lm_head.weight, nxt)
+        out.loss = out.loss_sum / (nxt != -100).sum()
+    if targets is not None:
+        targets = targets.long()
+        if logits is not None:
+            logp = F.log_softmax(logits.float(), dim=-1)
+            lp, entropy = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        else:
+            lp, entropy = lm_head_ops.linear_logprobs(hidden, lm_head.weight, targets)
+        out.logprobs, out.entropy = inputs.pad_back(lp), inputs.pad_back(entropy)
+    return out

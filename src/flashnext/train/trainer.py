@@ -31,7 +31,7 @@ from flashnext.train import run_dir
 from flashnext.train.config import RunConfig
 from flashnext.train.data import ModelLimits
 from flashnext.train.evaluation import Evaluator
-from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, sft_loss, token_logprobs
+from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, step_mean
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
@@ -142,20 +142,26 @@ class Trainer:
         return step_batches[self.ctx.rank :: world]
 
     def _forward_loss(self, b: PackedBatch, num_loss_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss (a sum over its loss tokens / the step's count) and its RL metrics.
+
+        The model computes the loss or the target log-probs without materialising the [T, V] logits
+        (`return_logits=False`: the LM head runs in row chunks fused with the loss, `ops.lm_head`).
+        """
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
-        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev))
         labels = b.labels.to(dev)
+        kwargs = dict(cu_seqlens=cu, position_ids=pos, routed_experts=replay, return_logits=False)
         if self.cfg.train.loss == "sft":
-            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}
+            out = self.model(ids, labels=labels, **kwargs, **b.image_kwargs(dev))
+            return step_mean(out.loss_sum, num_loss_tokens), {}
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
-        lp_train, entropy = token_logprobs(out.logits, torch.where(mask, targets, 0))
+        out = self.model(ids, logprob_targets=torch.where(mask, targets, 0), **kwargs, **b.image_kwargs(dev))
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
-        return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
+        return rl_loss(out.logprobs, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=out.entropy)
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step the optimizers and the schedule; returns metrics."""
