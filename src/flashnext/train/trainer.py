@@ -13,6 +13,7 @@ resumed run repeats the uninterrupted run's losses bit for bit on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -35,6 +36,7 @@ from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, step
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
+from flashnext.train.precision import MixedPrecision
 from flashnext.train.setup import (
     DTYPES,
     all_reduce_sum,
@@ -68,6 +70,7 @@ class Trainer:
         self._build_data()
         self._wrap_model()
         self._build_optimizers()
+        self.precision = self._mixed_precision()
         self.step = 0
         self.tokens_seen = 0
         self.peak_flops = None
@@ -122,6 +125,24 @@ class Trainer:
             shard_aware_optimizers(self.optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
         self.schedulers = Schedulers(self.optimizers, self.cfg.optim)
 
+    def _mixed_precision(self) -> MixedPrecision | None:
+        """bf16 compute copies over the fp32 parameters (`train.compute_dtype`), in a single process."""
+        cfg = self.cfg
+        if cfg.train.compute_dtype == cfg.model.dtype:
+            return None  # fp32 throughout, or bf16 parameters throughout
+        if self.ctx.distributed:
+            if self.device.type == "cuda":
+                return None  # FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 sharded masters (`parallelize`)
+            raise ConfigError(
+                "train.compute_dtype='bfloat16' with fp32 parameters is not supported under torchrun on CPU "
+                "(FSDP2's bf16 policy is enabled on CUDA only); use model.dtype='bfloat16' or compute in float32"
+            )
+        return MixedPrecision(self.model, DTYPES[cfg.train.compute_dtype])
+
+    def _compute(self):
+        """The context forward and backward run in: bf16 compute copies under mixed precision, else nothing."""
+        return self.precision.compute() if self.precision is not None else contextlib.nullcontext()
+
     def warn(self, message: str) -> None:
         """A warning line on stderr (rank 0 only)."""
         if self.ctx.is_main:
@@ -172,14 +193,15 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         rl_sums: dict[str, float] = {}
         sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
-        for i, (b, n_local) in enumerate(zip(batches, local_counts, strict=True)):
-            if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
-                sync(i == len(batches) - 1)
-            loss, metrics = self._forward_loss(b, num_loss_tokens)
-            loss.backward()
-            loss_sum += loss.detach().double().cpu()
-            for k, v in metrics.items():  # micro-batch means over its loss tokens -> weighted sums
-                rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
+        with self._compute():  # fp32 parameters and gradients again after it (mixed precision)
+            for i, (b, n_local) in enumerate(zip(batches, local_counts, strict=True)):
+                if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
+                    sync(i == len(batches) - 1)
+                loss, metrics = self._forward_loss(b, num_loss_tokens)
+                loss.backward()
+                loss_sum += loss.detach().double().cpu()
+                for k, v in metrics.items():  # micro-batch means over its loss tokens -> weighted sums
+                    rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
         t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
         if self.ctx.distributed:
@@ -380,14 +402,14 @@ class Trainer:
 
     def _announce(self) -> None:
         cfg = self.cfg
-        if cfg.log.peak_flops == "measure":
-            self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.model.dtype])
+        if cfg.log.peak_flops == "measure":  # the GEMM rate of the dtype the matmuls run in
+            self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.train.compute_dtype])
         else:
             self.peak_flops = float(cfg.log.peak_flops)
         n_params = sum(p.numel() for p in self.model.parameters())
         held_out = f", {self.evaluator.num_examples} held out" if self.evaluator else ""
         self.say(
-            f"model: {n_params / 1e6:.2f}M params on {self.device} ({cfg.model.dtype}); "
+            f"model: {n_params / 1e6:.2f}M params on {self.device} ({_precision(cfg)}); "
             f"{len(self.loader.examples)} examples{held_out}, token budget {cfg.data.token_budget} x "
             f"{cfg.data.micro_batches} micro-batches x {self.ctx.world_size} rank(s); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
@@ -422,13 +444,14 @@ class Trainer:
 
     def eval_loss(self) -> float:
         """The held-out loss (mean per loss token over the whole split, the run's loss, no gradient); collective."""
-        return self.evaluator.loss(
-            self.model,
-            self._forward_loss,
-            self.ctx.rank,
-            self.ctx.world_size,
-            lambda values: all_reduce_sum(self.ctx, values),
-        )
+        with self._compute():  # in the run's compute dtype
+            return self.evaluator.loss(
+                self.model,
+                self._forward_loss,
+                self.ctx.rank,
+                self.ctx.world_size,
+                lambda values: all_reduce_sum(self.ctx, values),
+            )
 
     def export(self, path: Path) -> None:
         """The current weights in the official Hugging Face layout (+ the tokenizer files); collective.
@@ -452,6 +475,12 @@ class Trainer:
             if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
                 self.tokenizer.save(tmp)
             run_dir.swap_in(tmp, path)
+
+
+def _precision(cfg: RunConfig) -> str:
+    if cfg.train.compute_dtype == cfg.model.dtype:
+        return cfg.model.dtype
+    return f"{cfg.train.compute_dtype} compute, {cfg.model.dtype} master weights"
 
 
 def _every(step: int, every: int) -> bool:
