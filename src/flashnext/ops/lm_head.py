@@ -62,6 +62,16 @@ def _chunks(T: int, V: int):
     return [(a, min(T, a + rows)) for a in range(0, T, rows)]
 
 
+def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> None:
+    """x[rows] = 0 in place (rows: bool [R]); on CPU only the selected rows are touched, not a full masked pass."""
+    if x.device.type != "cpu":
+        x.masked_fill_(rows[:, None], 0.0)  # no host sync on an accelerator
+        return
+    index = rows.nonzero().squeeze(1)
+    if index.numel():
+        x.index_fill_(0, index, 0.0)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index):
@@ -72,21 +82,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_weight = d_weight if ctx.needs_input_grad[1] else None
         for a, b in _chunks(T, V):
             h, t = hidden[a:b], targets[a:b]
-            logits = (h @ weight.t()).float()  # [R, V]
-            lse = torch.logsumexp(logits, dim=-1)
+            logp = torch.log_softmax((h @ weight.t()).float(), dim=-1)  # [R, V] fp32
             valid = t != ignore_index
+            rows = torch.arange(b - a, device=logp.device)
             safe = torch.where(valid, t, 0)
-            target_logit = logits.gather(1, safe[:, None]).squeeze(1)
-            total += torch.where(valid, lse - target_logit, 0.0).sum()
+            total -= torch.where(valid, logp[rows, safe], 0.0).sum()
             if d_hidden is None and d_weight is None:
                 continue
-            # d CE / d logits = softmax - onehot(target), zero on ignored rows: in place over the chunk's logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(b - a, device=grad.device), safe] -= 1.0
-            grad = grad.masked_fill_(~valid[:, None], 0.0).to(hidden.dtype)
+            # d CE / d logits = softmax - onehot(target), zero on ignored rows: in place over the chunk's log-probs
+            grad = logp.exp_()
+            grad[rows, safe] -= 1.0
+            _zero_rows(grad, ~valid)
+            grad = grad.to(hidden.dtype)
             if d_hidden is not None:
                 torch.mm(grad, weight, out=d_hidden[a:b])
-            if d_weight is not None:
+            if d_weight is None:
+                continue
+            if d_weight.dtype == grad.dtype:
+                d_weight.addmm_(grad.t(), h)
+            else:
                 d_weight += grad.t() @ h  # accumulated in fp32 whatever the compute dtype
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(d_hidden, d_weight)
@@ -110,11 +124,10 @@ class _LinearLogprobs(torch.autograd.Function):
         for a, b in _chunks(T, V):
             logits = (hidden[a:b] @ weight.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
+            logp = logits.sub_(lse[:, None])  # in place: [R, V] log-probs
             lse_all[a:b] = lse
-            logprobs[a:b] = logits.gather(1, targets[a:b, None]).squeeze(1) - lse
-            # H = lse - sum_j p_j z_j (p = softmax(z)); exp in place over the chunk's logits
-            p = torch.exp(logits - lse[:, None])
-            entropy[a:b] = lse - (p * logits).sum(-1)
+            logprobs[a:b] = logp.gather(1, targets[a:b, None]).squeeze(1)
+            entropy[a:b] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse_all, entropy)
         return logprobs, entropy
 
