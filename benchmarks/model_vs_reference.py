@@ -24,6 +24,7 @@ and last `fwd_bwd_ratio_<n>=<x> ... mfu_<n>=<y> ...` for every n. Lines starting
     python benchmarks/model_vs_reference.py                       # seq 1024 and 4096 (minutes: the reference)
     python benchmarks/model_vs_reference.py --dtype bfloat16 --seqs 1024
     python benchmarks/model_vs_reference.py --seqs 256 --repeats 3
+    python benchmarks/model_vs_reference.py --dtype bfloat16 --profile 12   # + our fwd+bwd's top ops (shares)
 """
 
 from __future__ import annotations
@@ -151,6 +152,19 @@ def check_parity(ours, ref, seq: int, vocab: int, tol: float, exact=None) -> flo
     return err
 
 
+def profile_shares(fn, seq: int, top: int) -> None:
+    """One more run of `fn` under torch.profiler: the `top` ops by self CPU time, as shares of the run's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    shares = " ".join(f"{e.key}={e.self_cpu_time_total / total:.3f}" for e in events[:top])
+    print(f"# seq={seq} profile ours fwd_bwd ({total / 1e6:.2f} s self CPU) top ops: {shares}", flush=True)
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -167,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tol", type=float, default=1e-3, help="max logits rel. error before timing (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both models' dtype")
+    parser.add_argument("--profile", type=int, default=0, help="print the top-N ops of our fwd+bwd (torch.profiler)")
     args = parser.parse_args(argv)
     if args.repeats < 3 or args.warmup < 1:
         parser.error("--repeats must be >= 3 (median of at least 3) and --warmup >= 1")
@@ -213,6 +228,8 @@ def main(argv=None) -> int:
             f"gflops={flops / 1e9:.1f} mfu={flops / peak:.3f}",
             flush=True,
         )
+        if args.profile:
+            profile_shares(fns["ours"], seq, args.profile)
     print(f"# load average (1/5/15 min) at end: {load_average()}")
     print(
         " ".join(f"fwd_bwd_ratio_{seq}={r:.2f}" for seq, (r, _) in summary.items())

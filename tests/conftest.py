@@ -42,3 +42,12 @@ def small_config():
         k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
         for k, v in SMALL_TEXT_CONFIG.items()
     }
+
+
+@pytest.fixture(scope="module")
+def small_config_module():
+    """A copy of `SMALL_TEXT_CONFIG` for module-scoped fixtures (e.g. a model built once per test file)."""
+    return {
+        k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+        for k, v in SMALL_TEXT_CONFIG.items()
+    }

@@ -244,3 +244,58 @@ def test_top_level_rope_fields_merge_into_rope_parameters(small_config, rope, to
     assert not {"rope_theta", "partial_rotary_factor"} & set(cfg.to_dict()) - {"rope_parameters"}
     assert "rope_theta" not in cfg.extra and TextConfig.from_dict(cfg.to_dict()) == cfg
     assert data.get("rope_parameters") == rope  # the caller's dict is not modified
+
+
+# ---- MTP (the draft head): three spellings of its layer count ------------------------------------------------
+@pytest.mark.parametrize(
+    "spelling",
+    [{"mtp_num_hidden_layers": 1}, {"num_nextn_predict_layers": 1}, {"mtp": {"num_hidden_layers": 1, "hybrid": True}}],
+    ids=["mtp_num_hidden_layers", "num_nextn_predict_layers", "nested"],
+)
+def test_mtp_spellings_parse_and_round_trip(make, spelling):
+    cfg = make(**spelling)
+    assert cfg.mtp_layers == 1
+    out = cfg.to_dict()
+    assert {k: out[k] for k in spelling} == spelling  # written back in the spelling given, and only that one
+    others = {"mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp"} - set(spelling)
+    assert not others & set(out)
+    assert TextConfig.from_dict(out) == cfg
+
+
+def test_mtp_absent_or_zero_means_no_head(make):
+    assert make().mtp_layers == 0 and "mtp" not in make().to_dict()
+    assert make(mtp_num_hidden_layers=0).mtp_layers == 0
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(mtp_num_hidden_layers=1, num_nextn_predict_layers=2), "given differently by"),
+        (dict(num_nextn_predict_layers=2), r"^num_nextn_predict_layers=2: only one MTP layer is supported$"),
+        (dict(mtp={"num_hidden_layers": "one"}), r"^mtp\.num_hidden_layers must be a non-negative int, got 'one'$"),
+        (dict(mtp={"num_hidden_layers": 1, "layer_types": ["linear_attention"]}), r"^mtp\.layer_types must be a"),
+        (dict(mtp={"num_hidden_layers": 1, "rope_theta": 1e7}), r"mtp\.rope_theta=10000000.0 differs from"),
+        (dict(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings=true"),
+        (
+            dict(
+                mtp_num_hidden_layers=1,
+                **dict.fromkeys(
+                    (
+                        "indexer_n_heads",
+                        "indexer_kv_heads",
+                        "indexer_head_dim",
+                        "indexer_budget",
+                        "indexer_compress_ratio",
+                    )
+                ),
+                layer_types=["linear_attention"] * 4,
+            ),
+            "mtp_num_hidden_layers=1: the MTP layer is a QSA attention layer",
+        ),
+    ],
+    ids=["disagree", "two-layers", "nested-type", "nested-layer-type", "rope-theta", "dedicated-embed", "no-qsa"],
+)
+def test_mtp_config_errors_name_the_field(make, over, message):
+    with pytest.raises(ConfigError, match=message):
+        make(**over)
+    assert make(mtp={"num_hidden_layers": 1, "rope_theta": 1e4, "layer_types": ["full_attention"]}).mtp_layers == 1

@@ -8,6 +8,7 @@ parameter is ever materialised twice.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from flashnext.model.multimodal import FlashNextForConditionalGeneration
 from flashnext.model.ngram_nf4 import NF4NGramTable
 from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
+
+log = logging.getLogger("flashnext")
 
 
 def build_model(
@@ -113,6 +116,11 @@ def from_pretrained(
     model = _on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
+    if getattr(model, "mtp", None) is not None and not _stores_mtp(path):
+        # The config declares an MTP head but the checkpoint has none (converters that drop `mtp.*` keep the
+        # config): load the trunk without a draft head rather than refuse the checkpoint.
+        log.warning("%s: config.json declares an MTP layer but no mtp.* weights are stored; loaded without it", path)
+        model.mtp = None
     _materialise(model, device)
     model.model_config = cfg
     try:
@@ -205,3 +213,12 @@ def fill_quantized_tables(model: nn.Module) -> None:
             for rows in row_chunks(file, base, header[key]):
                 module.fill(start, dequantize_rows(rows, scale, torch.float32))
                 start += rows.shape[0]
+
+
+def _stores_mtp(path: str | Path) -> bool:
+    """Whether a checkpoint holds any `mtp.*` tensor (header read only; unreadable files are load's to report)."""
+    files, weight_map = checkpoint_files(path)
+    if weight_map is not None:
+        return any(k.startswith("mtp.") for k in weight_map)
+    headers, _, _ = read_headers(files, weight_map)
+    return any(k.startswith("mtp.") for k in headers)

@@ -103,7 +103,21 @@ TEXT_FIELDS: dict[str, Rule] = {
         "a non-negative int, a list of them, or null",
         lambda v: v is None or TOKEN_ID.ok(v) or list_of(TOKEN_ID, "").ok(v),
     ),
+    # Multi-token prediction (the `mtp.*` draft head): three spellings of its layer count are in use (see
+    # `TextConfig.mtp_layers`); absent (null) means no MTP head.
+    **dict.fromkeys(("mtp_num_hidden_layers", "num_nextn_predict_layers"), TOKEN_ID.or_null()),
+    "mtp": OBJECT.or_null(),  # its keys: MTP_FIELDS
 }  # fmt: skip
+
+# Keys of a nested `mtp` object we read (others are kept). Its layers are attention layers (QSA) of the model's own
+# geometry and rotary, so `layer_types` and `rope_theta` may only restate that.
+MTP_FIELDS: dict[str, Rule] = {
+    "num_hidden_layers": TOKEN_ID,
+    "layer_types": list_of(one_of(INDEXED, "full_attention"), f"'full_attention' or {INDEXED!r}"),
+    "rope_theta": POS_NUMBER,
+    "hybrid": BOOL,
+}
+MTP_SPELLINGS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp.num_hidden_layers")
 
 # Keys of `rope_parameters` we read (others, e.g. `mrope_interleaved`, are kept but do not change the math).
 ROPE_FIELDS: dict[str, Rule] = {
@@ -180,6 +194,9 @@ class TextConfig:
     indexer_compress_ratio: int | None = None
     output_gate_type: str | None = None
     full_attention_interval: int = 4
+    mtp_num_hidden_layers: int | None = None
+    num_nextn_predict_layers: int | None = None
+    mtp: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -238,6 +255,17 @@ class TextConfig:
     def qsa_enabled(self) -> bool:
         return self.indexer_n_heads is not None
 
+    @property
+    def mtp_layers(self) -> int:
+        """MTP (draft head) layers declared by any of the spellings `MTP_SPELLINGS`; 0 = no MTP head."""
+        return next((n for n in self._mtp_counts().values() if n is not None), 0)
+
+    def _mtp_counts(self) -> dict[str, int | None]:
+        nested = (self.mtp or {}).get("num_hidden_layers")
+        return dict(
+            zip(MTP_SPELLINGS, (self.mtp_num_hidden_layers, self.num_nextn_predict_layers, nested), strict=True)
+        )
+
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -268,6 +296,7 @@ class TextConfig:
             )
         self._validate_qsa()
         self._validate_ple()
+        self._validate_mtp()
 
     def _validate_qsa(self) -> None:
         names = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
@@ -313,6 +342,28 @@ class TextConfig:
         if self.eos_id is None:
             raise ConfigError(f"eos_token_id must be set when PLE is enabled, got eos_token_id={self.eos_token_id!r}")
 
+    def _validate_mtp(self) -> None:
+        if self.mtp is not None:
+            check_fields(self.mtp, MTP_FIELDS, "mtp.")
+        given = {name: n for name, n in self._mtp_counts().items() if n is not None}
+        if len(set(given.values())) > 1:
+            raise ConfigError(f"the MTP layer count is given differently by {given}: they must agree")
+        n = self.mtp_layers
+        if n == 0:
+            return
+        name = next(iter(given))
+        if n > 1:  # every official checkpoint has one; a draft step reuses it (several would need a schedule)
+            raise ConfigError(f"{name}={n}: only one MTP layer is supported")
+        if not self.qsa_enabled:
+            raise ConfigError(
+                f"{name}={n}: the MTP layer is a QSA attention layer, but the QSA indexer fields are unset"
+            )
+        theta = (self.mtp or {}).get("rope_theta", self.rope_theta)
+        if theta != self.rope_theta:
+            raise ConfigError(f"mtp.rope_theta={theta} differs from the model's rope_theta={self.rope_theta}")
+        if self.extra.get("mtp_use_dedicated_embeddings"):  # kept in `extra`; we only build the shared embedding
+            raise ConfigError("mtp_use_dedicated_embeddings=true: only the shared embed_tokens is supported")
+
     # ---- (de)serialisation --------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TextConfig:
@@ -338,6 +389,9 @@ class TextConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out.pop("full_attention_interval")
+        for name in ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp"):  # written in the spelling given
+            if out[name] is None:
+                del out[name]
         out.update(self.extra)
         out["model_type"] = "qwen4_exp_text"
         return out

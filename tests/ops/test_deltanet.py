@@ -87,7 +87,11 @@ def test_decode_step_matches_recurrent(in_place):
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cu", [[0, 1, 2, 3], [0, 1, 1, 2], [0, 4, 9]], ids=["decode", "decode-with-empty", "prefill"])
+@pytest.mark.parametrize(
+    "cu",
+    [[0, 1, 2, 3], [0, 1, 1, 2], [0, 4, 9], [0, 3, 3, 11, 12], [0, 4, 30]],
+    ids=["decode", "decode-with-empty", "short", "short-mixed-with-empty", "chunked"],
+)
 def test_dispatcher_picks_a_kernel_that_matches_recurrent(cu):
     """`gated_delta_rule` (the model's entry point) continues from a state whichever kernel its shape selects."""
     from flashnext.batch import make_segments
@@ -97,7 +101,9 @@ def test_dispatcher_picks_a_kernel_that_matches_recurrent(cu):
     N = len(cu) - 1
     init = torch.randn(N, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     seg = make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1])
+    before = init.clone()
     o, final = gated_delta_rule(*inputs, seg, initial_state=init)
+    assert torch.equal(init, before)  # the states are read, not overwritten
     ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
     torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
@@ -120,3 +126,24 @@ def test_unit_lower_solve_matches_solve_triangular(C):
     want = torch.autograd.grad((ref * w).sum(), (lower, rhs))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cu", [[0, 90], [0, 41, 45, 120]], ids=["one-sequence", "three-sequences"])
+def test_affine_form_equals_a_pass_from_the_first_sequences_state(cu):
+    """`gated_delta_rule_affine` (context parallelism): `o0 + resp @ S0` and `A @ S0 + U` equal a pass whose first
+    sequence starts from S0; A is zero when the last sequence is not the first (it starts fresh)."""
+    from flashnext.batch import make_segments
+    from flashnext.ops.deltanet import gated_delta_rule, gated_delta_rule_affine
+
+    inputs = [t.detach().float() for t in _inputs(cu)]
+    seg = make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1])
+    N = len(cu) - 1
+    s0 = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(3))
+    initial = torch.zeros(N, 3, 8, 6)
+    initial[0] = s0
+    o, final = gated_delta_rule(*inputs, seg, initial_state=initial)
+    o0, resp, A, U = gated_delta_rule_affine(*inputs, seg)
+    assert not resp[cu[1] :].any()  # only the first sequence responds to S0
+    torch.testing.assert_close(o0 + torch.einsum("thk,hkv->thv", resp, s0), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(A @ s0 + U, final[-1], rtol=1e-5, atol=1e-5)
+    assert (not A.any()) == (N > 1)

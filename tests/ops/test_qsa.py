@@ -40,6 +40,19 @@ def test_selection_matches_reference(lens, quantize, monkeypatch):
     assert _as_sets(sel, ok) == select_tokens_ref(idx_q, keys, starts, seg.seq_start, ratio, topk)
 
 
+@pytest.mark.parametrize("q_offset", [0, 13, 40])
+def test_selection_of_a_slice_of_queries(q_offset, monkeypatch):
+    """`q_offset` (context parallelism): queries that are rows q_offset.. of the stream select what those rows of
+    the whole stream select."""
+    lens = [9, 30, 1, 20]
+    seg, idx_q, keys, starts = _case(lens, quantize=True)
+    monkeypatch.setattr(qsa, "SCORE_BUDGET", 64)
+    sel, ok = qsa.select_tokens(idx_q, keys, starts, seg, 4, 3)
+    rows = slice(q_offset, q_offset + 12)
+    part = qsa.select_tokens(idx_q[rows], keys, starts, seg, 4, 3, q_offset=q_offset)
+    assert _as_sets(*part) == _as_sets(sel[rows], ok[rows])
+
+
 def test_tie_rule_prefers_later_block():
     """All-zero scores: every block ties, so the latest `topk` complete blocks win."""
     lens = [20]
@@ -74,8 +87,8 @@ def test_sparse_attention_matches_reference(groups, monkeypatch):
 
 @pytest.mark.parametrize(
     ("lens", "queries"),
-    [([3], [3]), ([1, 9, 30], [1, 1, 1]), ([13, 40, 4], [5, 17, 4]), ([25, 25], [25, 1])],
-    ids=["short-prefill", "decode", "chunks", "whole-and-decode"],
+    [([3], [3]), ([1, 9, 30], [1, 1, 1]), ([13, 40, 4], [5, 17, 4]), ([25, 25], [25, 1]), ([50], [19])],
+    ids=["short-prefill", "decode", "chunks", "whole-and-decode", "one-slot-chunk"],
 )
 @pytest.mark.parametrize(("ratio", "topk"), [(4, 3), (2, 1), (8, 2)])
 @pytest.mark.parametrize("quantize", [False, True], ids=["random", "ties"])
@@ -115,6 +128,11 @@ def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, mon
     blocks, ok = qsa_cached.select_blocks_cached(
         torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk
     )
+    if S == 1:  # one sequence: its block keys shared by every query (the long-prefill path) select the same
+        shared = qsa_cached.select_blocks_cached(
+            torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk, slot=0
+        )
+        assert all(torch.equal(a, b) for a, b in zip(shared, (blocks, ok), strict=True))
     out = qsa_cached.sparse_attention_cached(
         torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio
     )

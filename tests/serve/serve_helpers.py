@@ -101,13 +101,16 @@ class StepFault:
                 out.append(j)
         return out
 
-    def __call__(self, ids, step, cache, inputs_embeds=None):
+    def __call__(self, ids, step, cache, inputs_embeds=None, **kw):
         if self.delay:
             time.sleep(self.delay)
         hit = self.when(ids, step) if self.when is not None else bool(self.hits(ids, step))
         if self.mode == "raise" and hit and (self.times is None or self.faults < self.times):
             self.faults += 1
             raise RuntimeError(f"injected fault (marker {self.marker})")
+        if kw:  # a speculative step (rows, residual): "nan" rows would need its row layout
+            assert self.mode == "raise", "StepFault(mode='nan') does not support speculative steps"
+            return self.inner(ids, step, cache, inputs_embeds=inputs_embeds, **kw)
         logits = self.inner(ids, step, cache, inputs_embeds=inputs_embeds)
         if self.mode == "nan" and hit:
             logits = logits.clone()

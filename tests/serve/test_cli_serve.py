@@ -142,3 +142,22 @@ def test_serve_process_name_logs_and_busy_port():
         first.terminate()
         _, err = first.communicate(timeout=30)
     assert f"request {r.json()['id']} finished: length, prompt" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_speculative_tokens_need_an_mtp_head(tmp_path, capsys, command):
+    """`--speculative-tokens K` with a checkpoint that has no MTP head is refused naming the flag and the model;
+    the tiny default (which has one) speculates: `generate` reports the drafts it verified."""
+    from flashnext.build import build_model
+    from flashnext.config import parse_config, tiny_config_dict
+
+    raw = {k: v for k, v in tiny_config_dict().items() if k != "mtp_num_hidden_layers"}
+    build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+                              "ple_layer_ids": [1]}).text, seed=0).save_pretrained(tmp_path / "m")  # fmt: skip
+    extra = ["--port", "0"] if command == "serve" else []
+    assert cli_main([command, "--model", str(tmp_path / "m"), "--speculative-tokens", "3", *extra]) == 1
+    err = capsys.readouterr().err
+    assert f"--speculative-tokens 3: {tmp_path / 'm'} has no MTP draft head" in err
+    if command == "generate":
+        assert cli_main(["generate", "--speculative-tokens", "2", "--max-tokens", "12", "--threads", "1"]) == 0
+        assert "drafts accepted" in capsys.readouterr().err

@@ -75,7 +75,7 @@ def _full_logits(model, prompt: list[int], generated: list[int], pixel_values, g
     types[len(prompt) :] = 0
     positions, _ = get_rope_index(ids, [0, len(ids)], types, grid, VISION["spatial_merge_size"])
     seg = make_segments(torch.tensor([0, len(ids)], dtype=torch.int32), len(ids), positions)
-    hidden, _ = model.model.language_model(ids, seg, inputs_embeds=embeds)
+    hidden, _, _ = model.model.language_model(ids, seg, inputs_embeds=embeds)
     return model.lm_head(hidden)[-1]
 
 

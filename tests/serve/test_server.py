@@ -188,3 +188,23 @@ def test_throughput_log_line(caplog):
         assert r.status_code == 200
     lines = [r.getMessage() for r in caplog.records if "generated tokens/s" in r.getMessage()]
     assert lines and "running" in lines[0] and "free slots" in lines[0]
+
+
+def test_speculative_request_over_http(server, client, caplog):
+    """A request body's `num_speculative_tokens` (the tiny default has an MTP head): the same greedy text as
+    without; /metrics counts its drafts and the log line shows its acceptance."""
+    base, name, engine = server
+    caplog.set_level(logging.INFO, logger="flashnext.serve")
+    kw = dict(model=name, prompt="The cat", max_tokens=16, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    before = engine.stats.spec_verify_steps
+    spec = client.completions.create(**kw, extra_body={"ignore_eos": True, "num_speculative_tokens": 3})
+    assert spec.choices[0].text == plain.choices[0].text
+    assert engine.stats.spec_verify_steps > before
+    text = httpx.get(f"{base}/metrics").text
+    assert f"flashnext_spec_draft_tokens_total {engine.stats.spec_drafted}" in text
+    assert "flashnext_spec_mean_accepted_length " in text and "flashnext_spec_request_acceptance_rate_count" in text
+    deadline = time.time() + 5
+    while not any(spec.id in r.getMessage() and "drafts accepted" in r.getMessage() for r in caplog.records):
+        assert time.time() < deadline, "no log line with the request's acceptance"
+        time.sleep(0.05)

@@ -131,6 +131,14 @@ REFUSALS = [
     ),  # fmt: skip
     C(CMPL, _raw(model=M, prompt="[1, 512]"), 400, ["512", "vocabulary"], "prompt", id="out-of-vocab"),
     C(CMPL, _raw(model=M, prompt="[-1]"), 400, ["-1", "vocabulary"], "prompt", id="negative-id"),
+    C(
+        CMPL,
+        _raw(model=M, prompt='"x"', num_speculative_tokens=99),
+        400,
+        ["num_speculative_tokens", "99"],
+        "num_speculative_tokens",
+        id="speculative-tokens-99",
+    ),  # fmt: skip
     C(CMPL, _raw(model=M, prompt='""'), 400, ["prompt is empty"], "prompt", id="empty-prompt"),
     C(CMPL, _raw(model=M, prompt='["a", "b"]'), 400, ["batched"], "prompt", id="batched-prompts"),
     C(

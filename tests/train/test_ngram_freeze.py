@@ -57,7 +57,7 @@ def _table(model) -> nn.Module:
 
 def _grads(trainer: Trainer) -> tuple[float, dict[str, torch.Tensor]]:
     b = next(iter(trainer.loader))
-    loss, _ = trainer._forward_loss(b, float(b.labels.ne(-100).sum()))
+    loss = trainer._forward_loss(b, float(b.labels.ne(-100).sum()))[0]
     loss.backward()
     return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 

@@ -78,3 +78,18 @@ def test_fp32_compute_with_bf16_parameters_is_refused():
         cfg = load_run_config(None, ["--model.dtype=bfloat16", *extra])
         assert cfg.train.compute_dtype == cfg.model.dtype == "bfloat16"
     assert load_run_config(None, []).train.compute_dtype == "float32"
+
+
+def test_bf16_compute_trains_the_mtp_head_over_fp32_masters(small_config, tmp_path):
+    """bf16 compute with `train.mtp_loss_weight`: the head's own AdamW steps fp32 masters with fp32 state."""
+    from test_mtp_training import _trainer
+
+    on = _trainer(small_config, tmp_path, "--train.mtp_loss_weight=1.0", "--train.compute_dtype=bfloat16")
+    before = {k: v.clone() for k, v in on.model.state_dict().items() if k.startswith("mtp.")}
+    reported = [on.train_step(on.next_micro_batches())["mtp_loss"] for _ in range(2)]
+    assert all(0 < x < 6 for x in reported), reported
+    assert all(p.dtype == torch.float32 for p in on.model.parameters())
+    after = on.model.state_dict()
+    assert any(not torch.equal(v, after[k]) for k, v in before.items())  # the head moved
+    for state in on.optimizers["mtp"].state.values():
+        assert all(v.dtype == torch.float32 for v in state.values() if torch.is_tensor(v) and v.dim() > 0)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from flashnext.cli.common import DTYPES as _DTYPES
-from flashnext.errors import FlashNextError
+from flashnext.errors import ConfigError, FlashNextError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft tokens the model's MTP head proposes per step, verified in one step (default 0: off); "
+        "requests may set num_speculative_tokens themselves",
+    )
     _add_ngram_storage_args(p)
 
 
@@ -49,7 +57,16 @@ def _build_engine(args: argparse.Namespace):
         args.model, _DTYPES[args.dtype], args.seed, ngram_storage=args.ngram_storage,
         ngram_resident_mb=args.ngram_resident_mb,
     )  # fmt: skip
-    engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens)
+    k = args.speculative_tokens
+    if k and getattr(model, "mtp", None) is None:
+        raise ConfigError(
+            f"--speculative-tokens {k}: {args.model or 'the model'} has no MTP draft head (no mtp.* weights, or no "
+            "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"
+        )
+    try:
+        engine = Engine(model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k)
+    except ConfigError as e:
+        raise ConfigError(f"--speculative-tokens {k}: {e}") from None
     return engine, name
 
 
@@ -162,7 +179,11 @@ def run_generate(args: argparse.Namespace) -> None:
     out = engine.generate([prompt], params)[0]
     seconds = time.perf_counter() - start
     print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    spec = ""
+    if out.num_verify_steps:
+        spec = f", drafts accepted {out.num_accepted_tokens}/{out.num_draft_tokens} in {out.num_verify_steps} steps"
     print(
-        f"# {len(out.token_ids)} tokens in {seconds:.2f}s, finish_reason={out.finish_reason}, ids={out.token_ids}",
+        f"# {len(out.token_ids)} tokens in {seconds:.2f}s, finish_reason={out.finish_reason}{spec}, "
+        f"ids={out.token_ids}",
         file=sys.stderr,
     )

@@ -17,6 +17,7 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
@@ -56,14 +57,18 @@ class QSAIndexer(nn.Module):
         seg: Segments,
         state: StepState[QSAState] | None = None,
         qk: torch.Tensor | None = None,
+        cp: ContextShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selection of every query of x [T, D].
 
         `qk`: `index_qk_proj(x)` [T, (Hi + 1) * Di] when the caller computed it already (the fused serving
         projection); else it is computed here, without gradient (the indexer is frozen).
+        `cp` (context parallelism): the queries choose among every rank's blocks (`cp.gather_blocks`); no block
+        straddles two ranks (the layout's padding), so each rank pools exactly its own complete blocks.
 
         Returns:
-            Without state: (sel [T, n], ok [T, n]) flat token indices of the stream to attend.
+            Without state: (sel [T, n], ok [T, n]) flat token indices of the stream to attend (with `cp`: of the
+            whole stream `cp.global_seg`).
             With state: (blocks [T, kb], ok [T, kb]) block indices within each query's slot; the step's raw keys
             are stored and the blocks it completes pooled into the cache first.
         """
@@ -75,7 +80,10 @@ class QSAIndexer(nn.Module):
         if state is None:
             starts = qsa.complete_blocks(seg, self.ratio)
             keys = self.block_keys(raw_k[qsa.block_rows(starts, self.ratio)], cos[starts], sin[starts])
-            return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
+            if cp is None:
+                return qsa.select_tokens(q, keys, starts, seg, self.ratio, self.block_topk)
+            keys, starts = cp.gather_blocks(keys), qsa.complete_blocks(cp.global_seg, self.ratio)
+            return qsa.select_tokens(q, keys, starts, cp.global_seg, self.ratio, self.block_topk, q_offset=cp.offset)
         step, cache = state.step, state.bufs
         flat = step.tok_slot * cache.raw_k.shape[1] + seg.position_ids
         cache.raw_k.view(-1, self.head_dim).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
@@ -85,8 +93,9 @@ class QSAIndexer(nn.Module):
             raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
             keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin)
             cache.block_k[blk_slot, blk_idx] = keys.to(cache.block_k.dtype)
+        one = step.slot_run[0] if step.slot_run is not None and step.slot_run[1] == 1 else None  # one sequence
         return qsa_cached.select_blocks_cached(
-            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk
+            q, cache.block_k, step.tok_slot, seg.position_ids, step.max_visible_blocks, self.ratio, self.block_topk, one
         )
 
 
@@ -134,8 +143,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         seg: Segments,
         state: StepState[QSAState] | None = None,
+        cp: ContextShard | None = None,
     ) -> torch.Tensor:
-        """x: [T, D] -> [T, D]. With `state` (serving), queries attend over their slots' cached keys/values."""
+        """x: [T, D] -> [T, D]. With `state` (serving), queries attend over their slots' cached keys/values; with
+        `cp` (context parallelism), over every rank's keys/values (`cp.gather`, gradient back to their owners)."""
         fused = state is not None
         if fused:  # the indexer's projection joins the fused GEMM
             qg, k, v, qk = self.in_proj(x, fused=True)
@@ -144,7 +155,10 @@ class Attention(nn.Module):
         q, k, v, gate = self._heads(qg, k, v, cos, sin)
         c = self.indexer.ratio
         if state is None:
-            sel, ok = self.indexer(x, cos, sin, seg)
+            sel, ok = self.indexer(x, cos, sin, seg, cp=cp)
+            if cp is not None:  # one exchange for both; `sel` indexes the whole stream
+                k, v = cp.gather(torch.cat([k, v], dim=-1)).split(self.d, dim=-1)
+                seg = cp.global_seg
             o = qsa.sparse_attention(q, k, v, sel, ok, self.scale, seg, c)
         else:
             blocks, ok = self.indexer(x, cos, sin, seg, state, qk=qk)

@@ -14,11 +14,12 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import GatedRMSNorm
 from flashnext.model.state import RECURRENT, WINDOW, GDNState, StateSpec, StepState
 from flashnext.ops.conv import causal_conv1d_varlen
-from flashnext.ops.deltanet import gated_delta_rule
+from flashnext.ops.deltanet import gated_delta_rule, gated_delta_rule_affine
 
 
 class GatedDeltaNet(nn.Module):
@@ -71,19 +72,39 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta, z.reshape(T, self.hv, self.dv)
 
-    def forward(self, x: torch.Tensor, seg: Segments, state: StepState[GDNState] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, seg: Segments, state: StepState[GDNState] | None = None, cp: ContextShard | None = None
+    ) -> torch.Tensor:
         """x: [T, D] -> [T, D]. With `state` (serving), each entry continues its slot's conv window and recurrent
-        state, and the live entries' new ones are written back."""
+        state, and the live entries' new ones are written back. With `cp` (context parallelism), the sequence that
+        enters this rank's slice continues the previous ranks' conv rows and recurrent state (`_context_rule`)."""
         fused = state is not None
         qkv, z, b, a = self.in_proj(x, fused)
         window = None if state is None else state.read(state.bufs.conv)
+        if cp is not None:
+            window = cp.left_halo(qkv, self.conv1d.kernel_size[0] - 1)
         qkv, window = causal_conv1d_varlen(qkv, seg, self.conv1d.weight.squeeze(1), initial_window=window)
         q, k, v, g, beta, z = self._heads(F.silu(qkv).to(x.dtype), z, b, a)
-        initial = None if state is None else state.read(state.bufs.recurrent)
-        # On a slot run `initial` is a slice of the cache: the decode kernel writes the new state straight into it.
-        in_place = state is not None and state.step.slot_run is not None
-        o, final = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, in_place=in_place)
+        if cp is not None:
+            o = self._context_rule(q, k, v, g, beta, seg, cp)
+        else:
+            initial = None if state is None else state.read(state.bufs.recurrent)
+            # On a slot run `initial` is a slice of the cache: the decode kernel writes the new state into it.
+            in_place = state is not None and state.step.slot_run is not None
+            o, final = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, in_place=in_place)
         if state is not None:
             state.write(state.bufs.conv, window)
             state.write(state.bufs.recurrent, final)
         return apply_linear(self.out_proj, self.norm(o, z).flatten(-2), fused)
+
+    def _context_rule(self, q, k, v, g, beta, seg: Segments, cp: ContextShard) -> torch.Tensor:
+        """The delta rule on a context-parallel slice -> o [T, Hv, Dv].
+
+        The slice's first sequence may continue from earlier ranks with a state S_in nobody knows yet. Its outputs
+        are affine in S_in (`o0 + resp @ S_in`) and so is the state the slice hands on (`A @ S_in + U`), so every
+        rank computes its pieces with one pass, the ranks exchange (A, U) and compose them (`incoming_state`), and
+        the correction `resp @ S_in` is added: exact, with no rank waiting on another's scan.
+        """
+        o0, resp, A, U = gated_delta_rule_affine(q, k, v, g, beta, seg)
+        s_in = cp.incoming_state(A, U)  # [Hv, Dk, Dv] fp32
+        return o0 + torch.einsum("thk,hkv->thv", resp.float(), s_in).to(o0.dtype)

@@ -8,6 +8,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import LINEAR, TextConfig
 from flashnext.model.attention import Attention
+from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual, inject
 from flashnext.model.moe import SparseMoE
@@ -16,15 +17,18 @@ from flashnext.model.state import StepState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int):
+    """Layer `layer_idx` of the stack; `layer_idx=None` with a `layer_type` builds a layer outside the stack (the
+    MTP head's: no PLE, which belongs to stack positions)."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int | None, layer_type: str | None = None):
         super().__init__()
-        self.layer_type = cfg.layer_types[layer_idx]
+        self.layer_type = layer_type or cfg.layer_types[layer_idx]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = Attention(cfg)
         self.mlp = SparseMoE(cfg)
-        one_based = layer_idx + 1
+        one_based = None if layer_idx is None else layer_idx + 1
         self.ple = PLELayer(cfg, cfg.ple_layer_ids.index(one_based)) if one_based in cfg.ple_layer_ids else None
         args = (cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
         self.attn_hyper_connection = GatedResidual(*args)
@@ -50,21 +54,23 @@ class DecoderLayer(nn.Module):
         seg: Segments,
         replay: torch.Tensor | None = None,
         state: StepState[dict] | None = None,
+        cp: ContextShard | None = None,
     ):
-        """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k]).
+        """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k]). `input_ids` [T] are read by PLE only.
 
         `state` (serving): the layer's cached state by part name (`state_spec`); its parts continue their slots'
         sequences, and the projections take the prepared fast paths (`model.fused`).
+        `cp` (context parallelism): this rank's slice of a stream shared with its group (`model.context`).
         """
         fused = state is not None
         if self.ple is not None:
-            residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"))
+            residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"), cp)
         x, w = self.attn_hyper_connection(residual, fused)
         mixer_state = None if state is None else state.part(self.mixer_name)
         if self.layer_type == LINEAR:
-            x = self.linear_attn(x, seg, mixer_state)
+            x = self.linear_attn(x, seg, mixer_state, cp)
         else:
-            x = self.self_attn(x, *rope, seg, mixer_state)
+            x = self.self_attn(x, *rope, seg, mixer_state, cp)
         residual = inject(residual, x, w)
         x, w = self.mlp_hyper_connection(residual, fused)
         x, experts = self.mlp(x, replay, fused)

@@ -178,7 +178,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         embeds = self.embed(ids, pixel_values, image_grid_thw)
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
-        hidden, experts = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
+        hidden, experts, _ = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
         return head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
 
     def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
@@ -206,7 +206,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         """One serving step, as `FlashNextForCausalLM.forward_step`; image features come in `inputs_embeds`
         (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs here."""
         state = StepState(step, cache.layers)
-        hidden, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        hidden, _, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         return last_token_logits(self.lm_head, hidden, step)
 
     def state_spec(self, max_len: int) -> list[dict]:

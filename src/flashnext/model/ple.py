@@ -16,6 +16,7 @@ from torch import nn
 
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
+from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import RMSNorm
@@ -66,15 +67,31 @@ class PLELayer(nn.Module):
         return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
 
     def forward(
-        self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments, state: StepState[PLEState] | None = None
+        self,
+        residual: torch.Tensor,
+        input_ids: torch.Tensor,
+        seg: Segments,
+        state: StepState[PLEState] | None = None,
+        cp: ContextShard | None = None,
     ) -> torch.Tensor:
-        """residual: [T, hc*D]; input_ids: int [T] -> [T, hc*D]."""
+        """residual: [T, hc*D]; input_ids: int [T] -> [T, hc*D].
+
+        `state` (serving) continues each entry's slot; `cp` (context parallelism) continues the sequence that
+        enters this rank's slice: the n-gram context and the conv window are the rows before it (`left_halo`).
+        """
+        emb_mod = self.ple_embedding
         context = None if state is None else state.read(state.bufs.context)
-        emb, context = self.ple_embedding(input_ids, seg, initial_context=context)  # [T, E]
+        if cp is not None:
+            eos = emb_mod.eos_id if emb_mod.eos_id is not None else 0
+            context = cp.left_halo(input_ids.long(), emb_mod.ngram_size - 1, fill=eos)
+        emb, context = emb_mod(input_ids, seg, initial_context=context)  # [T, E]
         gated = self._gated(residual, emb, fused=state is not None)
+        conv_in = self.norm_conv(gated)
         window = None if state is None else state.read(state.bufs.conv)
+        if cp is not None:
+            window = cp.left_halo(conv_in, (self.conv1d.kernel_size[0] - 1) * self.dilation)
         weight = self.conv1d.weight.squeeze(1)
-        conv, window = causal_conv1d_varlen(self.norm_conv(gated), seg, weight, self.dilation, initial_window=window)
+        conv, window = causal_conv1d_varlen(conv_in, seg, weight, self.dilation, initial_window=window)
         if state is not None:
             state.write(state.bufs.context, context)
             state.write(state.bufs.conv, window)

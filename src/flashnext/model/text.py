@@ -14,17 +14,21 @@ from torch import nn
 from flashnext.batch import ModelInputs, Segments, flatten_inputs, integer_tensor, next_token_targets
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
+from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.fused import linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.moe import Experts, Router
+from flashnext.model.mtp import MultiTokenPredictor, mtp_inputs, mtp_targets
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
 from flashnext.model.state import StepBatch, StepState, plan_blocks
 from flashnext.ops import lm_head as lm_head_ops
+
+MTP_OWN_HEAD = "mtp.shared_head.head.weight"  # a draft head of its own, when a checkpoint carries one
 
 
 @dataclass
@@ -46,6 +50,9 @@ class CausalLMOutput:
     loss_sum: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    mtp_logits: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    mtp_loss_sum: torch.Tensor | None = None
 
 
 class FlashNextTextModel(nn.Module):
@@ -72,8 +79,12 @@ class FlashNextTextModel(nn.Module):
         replay: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         state: StepState[list] | None = None,
+        cp: ContextShard | None = None,
     ):
-        """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k]).
+        """input_ids: int [T] -> (hidden [T, D], routed experts int64 [T, L, k], residual [T, hc*D]).
+
+        `residual` is the multi-stream residual after the last layer, before the final stream mixer (what the MTP
+        head reads); `hidden` is the mixer's output.
 
         Args:
             replay: int [T, L, k] experts to force per layer (router replay).
@@ -82,6 +93,8 @@ class FlashNextTextModel(nn.Module):
             state: serving: the step and the cache's per-layer state (`StepState(step, cache.layers)`). The
                 stream's sequences continue their slots' cached state, which is updated in place; the rotary uses
                 `step.rope_positions` (MRoPE) when set, else the positions (cache rows).
+            cp: context parallelism: the stream is this rank's slice of its group's stream (`model.context`);
+                `seg.position_ids` are the tokens' positions in their whole sequences.
         """
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = x.repeat(1, self.config.hc_count)
@@ -96,9 +109,10 @@ class FlashNextTextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else StepState(state.step, state.bufs[i])
             layer_replay = None if replay is None else replay[:, i]
-            residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state)
+            residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state, cp)
             routed.append(experts)
-        return self.hyper_connection_mixer(residual, state is not None), torch.stack(routed, dim=1)
+        hidden = self.hyper_connection_mixer(residual, state is not None)
+        return hidden, torch.stack(routed, dim=1), residual
 
 
 class FlashNextForCausalLM(nn.Module):
@@ -109,6 +123,8 @@ class FlashNextForCausalLM(nn.Module):
         self.config = cfg
         self.model = FlashNextTextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Registered last: `init_weights` draws module by module, so the trunk's values do not depend on it.
+        self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
         self.extra_tensors: dict[str, torch.Tensor] = {}
 
     def forward(
@@ -122,6 +138,8 @@ class FlashNextForCausalLM(nn.Module):
         routed_experts: torch.Tensor | None = None,
         logprob_targets: torch.Tensor | None = None,
         return_logits: bool = True,
+        return_mtp: bool = False,
+        cp: ContextShard | None = None,
     ) -> CausalLMOutput:
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
@@ -136,13 +154,24 @@ class FlashNextForCausalLM(nn.Module):
             return_logits: False computes the loss / log-probs without materialising the [T, V] logits
                 (`ops.lm_head`, row chunks; `out.logits` is None). The numbers equal the logits path to fp32
                 rounding.
+            return_mtp: also run the MTP head over the stream (`mtp_logits`; `mtp_loss` with labels: position t
+                predicts `labels[t+2]` within a sequence). The trunk's outputs are the same either way.
+            cp: context parallelism (`flashnext.parallel.context`): the flat ids are this rank's slice of its
+                group's stream, `cu_seqlens` the slice's own boundaries and `position_ids` the global positions.
+                Targets cross the slice's edge, so no `labels` (and no MTP head) here: form them on the whole
+                stream (`ContextLayout.targets`) and take the loss of the local logits.
 
         An empty batch (`[0, S]` or `[0]` ids) returns empty logits (`[0, S, V]` / `[0, V]`).
 
         Raises:
             InputError: naming the argument, shape or dtype (see `flashnext.batch.flatten_inputs`), ids outside
-                the vocabulary, or `routed_experts` that are not `[T, L, k]` integers.
+                the vocabulary, `routed_experts` that are not `[T, L, k]` integers, or `return_mtp` without an
+                MTP head.
         """
+        if cp is not None and (input_ids.dim() != 1 or labels is not None or return_mtp):
+            raise InputError(
+                "with cp, pass flat [T] input_ids, no labels and no return_mtp (targets are formed on the whole stream)"
+            )
         inputs = flatten_inputs(
             input_ids,
             attention_mask,
@@ -153,17 +182,70 @@ class FlashNextForCausalLM(nn.Module):
         )
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
-        hidden, experts = self.model(inputs.ids, inputs.seg, routed_experts)
-        return head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
+        if return_mtp and self.mtp is None:
+            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
+        hidden, experts, residual = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
+        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
+        if return_mtp:
+            self._mtp_outputs(out, residual, inputs, return_logits)
+        return out
+
+    def _mtp_outputs(self, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool):
+        """Fill `out.mtp_logits` / `out.mtp_loss` from the trunk's residual [T, hc*D]; without `return_logits`
+        the draft loss comes from the chunked head (`ops.lm_head`) and `mtp_logits` stays None."""
+        y = self.mtp_hidden(residual, inputs.ids, inputs.seg)
+        weight, labels = self.mtp_head_weight(), inputs.per_token["labels"]
+        if return_logits:
+            mtp_logits = F.linear(y, weight)
+            out.mtp_logits = inputs.pad_back(mtp_logits)
+        if labels is None:
+            return
+        tgt = mtp_targets(labels, inputs.seg)
+        if return_logits:
+            out.mtp_loss_sum = F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum")
+        else:
+            out.mtp_loss_sum = lm_head_ops.linear_cross_entropy(y, weight, tgt)
+        out.mtp_loss = out.mtp_loss_sum / (tgt != -100).sum()
+
+    def mtp_logits(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """The MTP head over a whole stream (training): residual [T, hc*D], ids [T] -> draft logits [T, V]."""
+        return F.linear(self.mtp_hidden(residual, input_ids, seg), self.mtp_head_weight())
+
+    def mtp_hidden(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """The MTP head's final hidden states over a whole stream: residual [T, hc*D], ids [T] -> [T, D]."""
+        rope = self.model.rotary(seg.position_ids, residual.dtype)
+        embeds = self.model.embed_tokens(mtp_inputs(input_ids, seg))
+        _, y = self.mtp(residual, embeds, rope, seg)
+        return y
+
+    def mtp_head_weight(self) -> torch.Tensor:
+        """The draft head's LM head: the model's `lm_head` (shared), unless the checkpoint carried its own
+        `mtp.shared_head.head.weight` (kept in `extra_tensors`)."""
+        own = self.extra_tensors.get(MTP_OWN_HEAD)
+        if own is None:
+            return self.lm_head.weight
+        w = self.lm_head.weight
+        if own.device != w.device or own.dtype != w.dtype:
+            own = self.extra_tensors[MTP_OWN_HEAD] = own.to(w.device, w.dtype)
+        return own
 
     def state_spec(self, max_len: int) -> list[dict]:
-        """Per layer, the per-sequence serving state of its stateful parts (what `StateCache` allocates)."""
-        return self.model.state_spec(max_len)
+        """Per layer, the per-sequence serving state of its stateful parts (what `StateCache` allocates): the
+        trunk's layers, then the MTP head's (its cache of cells) when the model has one."""
+        mtp = [] if self.mtp is None else self.mtp.state_spec(max_len)
+        return self.model.state_spec(max_len) + mtp
 
     @torch.no_grad()
     def forward_step(
-        self, input_ids: torch.Tensor, step: StepBatch, cache, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        step: StepBatch,
+        cache,
+        inputs_embeds: torch.Tensor | None = None,
+        *,
+        rows: torch.Tensor | None = None,
+        with_residual: bool = False,
+    ):
         """One serving step over a flat stream of prefill chunks and decode tokens: `forward` with state.
 
         Args:
@@ -172,13 +254,48 @@ class FlashNextForCausalLM(nn.Module):
             cache: the `flashnext.serve.cache.StateCache` the entries' state lives in; updated in place. The model
                 must have been prepared for serving (`flashnext.serve.prepare_for_inference`).
             inputs_embeds: optional [T, D] replacing the token embedding (see `FlashNextTextModel.forward`).
+            rows: int64 [R] stream indices whose logits to return instead (e.g. every verified position of a
+                speculative entry).
+            with_residual: also return the pre-final-mixer residual [T, hc*D] of every token (the MTP head's input).
 
         Returns:
             logits [n_live, V] of the last token of every live entry (real slot, at least one token), in entry
-            order; padding and zero-length entries produce no row.
+            order (padding and zero-length entries produce no row), or [R, V] for `rows`; with `with_residual`,
+            `(logits, residual)`.
         """
-        hidden, _ = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=StepState(step, cache.layers))
-        return last_token_logits(self.lm_head, hidden, step)
+        state = StepState(step, cache.layers)
+        hidden, _, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        if rows is None:
+            logits = last_token_logits(self.lm_head, hidden, step)
+        else:
+            logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
+        return (logits, residual) if with_residual else logits
+
+    @torch.no_grad()
+    def draft_step(
+        self, residual: torch.Tensor, next_ids: torch.Tensor, step: StepBatch, cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One serving step of the MTP head over a flat stream of cells (see `model.mtp`).
+
+        Args:
+            residual: [T, hc*D] each cell's `R_i` (trunk residual rows, or the previous draft step's `R_next`).
+            next_ids: int64 [T] each cell's next token `x_{i+1}`.
+            step: the cells' entries: slot and first cell position (`cached`) per entry (`make_step`).
+            cache: the `StateCache`; the head's cache of cells (after the trunk's layers) is updated in place.
+
+        Returns:
+            (draft logits [n_live, V] of the last cell of every live entry, R_next [T, hc*D]).
+        """
+        if self.mtp is None:
+            raise InputError("draft_step: this model has no MTP head (its config declares no MTP layer)")
+        dtype = residual.dtype
+        if self.config.qsa_enabled:
+            plan_blocks(step, self.config.indexer_compress_ratio, self.model.rotary, dtype)
+        rope = self.model.rotary(step.seg.position_ids, dtype)
+        state = StepState(step, cache.layers[len(self.model.layers) :])
+        r_next, y = self.mtp(residual, self.model.embed_tokens(next_ids), rope, step.seg, state)
+        last = last_token_rows(y, step)
+        return linear(last, self.mtp_head_weight(), fused=True, contiguous=False), r_next
 
     def _check_replay(self, routed_experts: torch.Tensor | None, num_tokens: int) -> None:
         """Host-side shape/dtype check of a router replay, int [T, L, k] (expert ids' range: the data loader's job)."""
@@ -246,12 +363,17 @@ class FlashNextForCausalLM(nn.Module):
         save_pretrained(self, path, **kwargs)
 
 
-def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
-    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
+def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
+    """The rows [n_live, D] of the last token of every live entry of a serving step. hidden: [T, D]."""
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
         hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))
-    return linear(hidden, lm_head.weight, lm_head.bias, fused=True, contiguous=False)
+    return hidden
+
+
+def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
+    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
+    return linear(last_token_rows(hidden, step), lm_head.weight, lm_head.bias, fused=True, contiguous=False)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

@@ -8,7 +8,10 @@ solve); across chunks a scan carries the [H, K, V] state, batched over the seque
 
 `gated_delta_rule` is the entry point the model calls: it takes an optional per-sequence `initial_state` and returns
 the final state, and picks the kernel by shape itself: one token per sequence with a state (a serving decode step)
-runs the batched single-token recurrence of `ops.deltanet_step`, anything else the chunked kernel.
+runs the batched single-token recurrence of `ops.deltanet_step`; sequences of at most `SHORT` tokens with a state
+(a speculative verify step: the last token and a few drafts) run that recurrence once per position
+(`short_gated_delta_rule`), which costs a few small ops per token where a chunk pads to `CHUNK` tokens; anything
+else runs the chunked kernel.
 
 On CUDA with flash-linear-attention installed (and `FLASHNEXT_FORCE_REF` unset) the FLA kernel is used instead;
 it is imported lazily, never at model construction.
@@ -27,6 +30,7 @@ from flashnext.ops.deltanet_ref import prepare_qk
 from flashnext.ops.deltanet_step import gated_delta_step
 
 CHUNK = 64
+SHORT = 8  # sequences continuing a state with at most this many tokens: the per-position recurrence
 
 
 @torch.compiler.disable  # reads host lengths to choose (see chunk_gated_delta_rule)
@@ -54,7 +58,71 @@ def gated_delta_rule(
     """
     if initial_state is not None and seg.is_decode:
         return gated_delta_step(q, k, v, g, beta, initial_state, in_place=in_place)
+    if initial_state is not None and seg.max_seqlen <= SHORT:
+        return short_gated_delta_rule(q, k, v, g, beta, seg, initial_state)
     return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial_state)
+
+
+def gated_delta_rule_affine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seg: Segments,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule as an affine function of the FIRST sequence's unknown initial state S0.
+
+    The recurrence is linear in (state, v): every output row of the first sequence is `o0 + resp @ S0` and its
+    final state is `A @ S0 + U`. All four come from one pass of `gated_delta_rule` with K extra value channels:
+    v extended by zeros and the first sequence's initial state `[0 | I_K]`, so the extra channels carry the
+    response to an identity state. Context parallelism uses it: a rank whose first sequence continues from the
+    previous rank computes everything before it knows S0, and the ranks then compose their (A, U) pairs.
+
+    Args:
+        q, k: [T, H, K] raw; v: [T, H, V]; g, beta: [T, H]; seg: the stream's segments (N >= 1 sequences).
+
+    Returns:
+        o0 [T, H, V] (every sequence from a zero state), resp [T, H, K] (zero outside the first sequence),
+        A fp32 [H, K, K] and U fp32 [H, K, V] of the LAST sequence: its final state is `A @ S0 + U` (A is zero
+        unless the stream holds one sequence, since later sequences start fresh).
+    """
+    T, H, K = k.shape
+    V = v.shape[-1]
+    N = len(seg.lengths)
+    v_aug = torch.cat([v, v.new_zeros(T, H, K)], dim=-1)
+    initial = torch.zeros(N, H, K, V + K, dtype=torch.float32, device=v.device)
+    initial[0, :, :, V:] = torch.eye(K, device=v.device)
+    o, final = gated_delta_rule(q, k, v_aug, g, beta, seg, initial_state=initial)
+    return o[..., :V], o[..., V:], final[-1, ..., V:], final[-1, ..., :V]
+
+
+def short_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seg: Segments,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Short sequences continuing states: `gated_delta_step` at each position t, over the sequences longer than t.
+
+    Args/returns as `gated_delta_rule` (`initial_state` required, not modified).
+    """
+    starts, lengths = seg.cu_host[:-1], seg.lengths
+    S = initial_state.float().clone()
+    o = v.new_empty(v.shape)
+    everyone = torch.arange(len(lengths), device=v.device)
+    for t in range(seg.max_seqlen):
+        live = [n for n, length in enumerate(lengths) if length > t]
+        at = torch.tensor([starts[n] + t for n in live], dtype=torch.long, device=v.device)
+        idx = everyone if len(live) == len(lengths) else torch.tensor(live, dtype=torch.long, device=v.device)
+        pick = [x.index_select(0, at) for x in (q, k, v, g, beta)]
+        o_t, s_t = gated_delta_step(*pick, S.index_select(0, idx))
+        o.index_copy_(0, at, o_t)
+        S.index_copy_(0, idx, s_t)
+    return o, S
 
 
 def _use_fla(x: torch.Tensor) -> bool:

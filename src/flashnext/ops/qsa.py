@@ -82,14 +82,18 @@ def select_tokens(
     seg: Segments,
     ratio: int,
     block_topk: int,
+    q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices each query attends to.
 
     Args:
         idx_q: [T, Hi, Di]; block_keys: [NB, Di]; block_start: int64 [NB] (from `complete_blocks`).
+        seg, block_keys, block_start: describe the stream the keys come from; the queries are its rows
+            `q_offset .. q_offset + T - 1` (context parallelism: a rank's queries against the whole stream).
 
     Returns:
-        sel [T, n] int64 flat token indices (0 where unused) and ok [T, n] bool, n = block_topk*ratio + ratio - 1.
+        sel [T, n] int64 flat token indices of the stream (0 where unused) and ok [T, n] bool,
+        n = block_topk*ratio + ratio - 1.
     """
     T, Hi, _ = idx_q.shape
     n = block_topk * ratio + ratio - 1
@@ -103,8 +107,9 @@ def select_tokens(
     blocks_before = [0]  # complete blocks in sequences 0..n-1
     for length in seg.lengths:
         blocks_before.append(blocks_before[-1] + length // ratio)
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
+    for q0 in range(0, T, step):
+        q1 = min(T, q0 + step)
+        t0, t1 = q0 + q_offset, q1 + q_offset  # the chunk's rows in the stream
         t = torch.arange(t0, t1, device=device)
         s = seg.seq_start[t0:t1]
         # The chunk sees blocks from its first query's sequence start up to those complete by t1 (host math).
@@ -115,17 +120,17 @@ def select_tokens(
         if k_blocks > 0:
             starts = block_start[b_lo:b_hi]
             visible = (starts[None, :] >= s[:, None]) & (starts[None, :] + ratio <= t[:, None] + 1)
-            order, top_ok = rank_blocks(idx_q[t0:t1], block_keys[b_lo:b_hi], visible, k_blocks)
+            order, top_ok = rank_blocks(idx_q[q0:q1], block_keys[b_lo:b_hi], visible, k_blocks)
             top = starts[order]  # [Tq, k]
             width = k_blocks * ratio
-            sel[t0:t1, :width] = (top[:, :, None] + arange_c).flatten(1)
-            ok[t0:t1, :width] = top_ok[:, :, None].expand(-1, -1, ratio).flatten(1)
+            sel[q0:q1, :width] = (top[:, :, None] + arange_c).flatten(1)
+            ok[q0:q1, :width] = top_ok[:, :, None].expand(-1, -1, ratio).flatten(1)
         # Tail: the incomplete block ending at the query.
         tail_len = (t - s + 1) % ratio
         j = torch.arange(ratio - 1, device=device)
         tail = (t - tail_len + 1)[:, None] + j
-        sel[t0:t1, n - (ratio - 1) :] = torch.where(j < tail_len[:, None], tail, 0)
-        ok[t0:t1, n - (ratio - 1) :] = j < tail_len[:, None]
+        sel[q0:q1, n - (ratio - 1) :] = torch.where(j < tail_len[:, None], tail, 0)
+        ok[q0:q1, n - (ratio - 1) :] = j < tail_len[:, None]
     return sel, ok
 
 
@@ -200,8 +205,9 @@ def sparse_attention(
     chunks are `split` views (backward: one `cat`), small enough for the allocator to reuse their memory.
 
     Args:
-        q: [T, H, D]; k, v: [T, Hkv, D]; sel/ok: [T, n] from `select_tokens` (n = k_blocks * c + c - 1).
-        seg: the stream's segments; ratio: c, the QSA block size.
+        q: [T, H, D]; k, v: [Tk, Hkv, D]; sel/ok: [T, n] from `select_tokens` (n = k_blocks * c + c - 1).
+        seg: the segments of the key/value stream (Tk tokens; the queries are T of its rows, all of them unless
+            a context-parallel rank passes its own queries against every rank's keys); ratio: c, the block size.
 
     Returns:
         [T, H, D] in q's dtype (softmax in fp32, as the reference's eager attention).

@@ -119,15 +119,20 @@ class StateCache:
         return Snapshot(list(slots), rows)
 
     @torch.no_grad()
-    def restore(self, snap: Snapshot) -> None:
+    def restore(self, snap: Snapshot, slots: list[int] | None = None) -> None:
         """Put a snapshot's rows back: the slots' windows and recurrent states are as when it was taken.
 
-        Positional rows written since are left as they are (never visible below the restored length); the caller
-        continues each slot from the length it had at the snapshot (or feeds the accepted tokens again).
+        `slots`: only these of the snapshot's slots (default: all). Positional rows written since are left as they
+        are (never visible below the restored length); the caller continues each slot from the length it had at
+        the snapshot (or feeds the accepted tokens again).
         """
-        idx = torch.tensor(snap.slots, dtype=torch.long, device=self._fills[0][0].device)
+        slots = snap.slots if slots is None else slots
+        pick = [snap.slots.index(s) for s in slots]  # raises ValueError for a slot the snapshot does not hold
+        device = self._fills[0][0].device
+        idx = torch.tensor(slots, dtype=torch.long, device=device)
+        which = torch.tensor(pick, dtype=torch.long, device=device)
         for buf, rows in snap.rows:
-            buf.index_copy_(0, idx, rows)
+            buf.index_copy_(0, idx, rows if pick == list(range(len(snap.slots))) else rows.index_select(0, which))
 
     # ---- inspection ----------------------------------------------------------------------------------
     def buffers(self) -> list[torch.Tensor]:

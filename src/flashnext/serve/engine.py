@@ -13,6 +13,11 @@ n choices (`SamplingParams.n`): the prompt is prefilled once, in the parent's sl
 the parent's state is copied into the n-1 slots its children reserved at admission (`StateCache.copy_slot`) and
 every choice samples its first token from the same logits row with its own generator (`choice_seed`).
 
+Speculative decoding (a model with an MTP head; `num_speculative_tokens` per engine or per request): a
+speculating request's decode entry also carries the drafts its head proposed, one step verifies them, and a
+rejection rolls its slot back; see `serve.speculative` (proposal, acceptance, rollback). Requests with and
+without speculation, prompt chunks and decodes share a step.
+
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
 - a step whose model forward raises may have written part of every involved slot's state (the layers update the
@@ -48,19 +53,30 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from flashnext.errors import InputError
+from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.model.state import make_step
 from flashnext.serve.cache import StateCache
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
-from flashnext.serve.sampling import FAILED, FieldError, SamplingParams, check_text, choice_seed, random_seed, sample
+from flashnext.serve.sampling import (
+    FAILED,
+    MAX_SPECULATIVE_TOKENS,
+    FieldError,
+    SamplingParams,
+    check_text,
+    choice_seed,
+    random_seed,
+    sample,
+)
+from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
 
 __all__ = ["Completion", "Engine", "EngineStats", "Request"]
 
 log = logging.getLogger("flashnext.serve")
+NO_MTP = "this model has no MTP draft head (mtp.* weights with mtp_num_hidden_layers in its config.json)"
 
 
 class Engine:
@@ -72,6 +88,11 @@ class Engine:
         max_slots: concurrent sequences (cache slots).
         max_model_len: longest prompt + generation.
         max_num_batched_tokens: token budget of one step (decodes first, then prompt chunks).
+        num_speculative_tokens: default draft tokens per step for requests that do not set
+            `SamplingParams.num_speculative_tokens` (0 = off); needs a model with an MTP head.
+
+    Raises:
+        ConfigError: `num_speculative_tokens` > 0 for a model without an MTP head, or out of range.
     """
 
     def __init__(
@@ -81,7 +102,13 @@ class Engine:
         max_slots: int = 16,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
+        num_speculative_tokens: int = 0,
     ):
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if k and getattr(model, "mtp", None) is None:
+            raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
         self.model = prepare_for_inference(model)
         self.config = model.config
         self.tokenizer = tokenizer
@@ -103,6 +130,9 @@ class Engine:
         self._finished: list[Request] = []  # finished during the current step
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.num_speculative_tokens = k
+        has_mtp = getattr(model, "mtp", None) is not None
+        self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -139,6 +169,9 @@ class Engine:
             raise FieldError(f"prompt token {bad} = {ids[bad]} is outside the vocabulary [0, {vocab})", "prompt")
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer")
+        spec_k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if spec_k and self.speculator is None:
+            raise FieldError(f"num_speculative_tokens={spec_k}: {NO_MTP}", "num_speculative_tokens")
         mrope = None
         if pixel_values is not None or image_grid_thw is not None:
             mrope = self._image_positions(ids, pixel_values, image_grid_thw)
@@ -156,6 +189,7 @@ class Engine:
                 generator=torch.Generator(device=self.device).manual_seed(choice_seed(seed, i)),
                 mrope=mrope,
                 images=images,
+                spec_k=spec_k,
             )  # fmt: skip
             for i in range(params.n)
         ]
@@ -236,11 +270,12 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
-    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
-        """Logits [entries that sampled.., V] of one `forward_step` over the plan's stream."""
+    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor | SpecForward:
+        """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
+        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs."""
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
-            chunk = req.pending_ids(n)
+            chunk = req.pending_ids(n) + req.drafts
             ids.extend(chunk)
             cu.append(cu[-1] + len(chunk))
             slots.append(req.slot)
@@ -250,11 +285,16 @@ class Engine:
         with torch.inference_mode():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             embeds = self._prompt_embeds(plan, ids_t, cu)
+            if self.speculator is not None and any(req.spec_k for req, _ in plan):
+                return self.speculator.forward(ids_t, step, embeds, plan, cu)
             return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds)
 
-    def _advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor, t0: float) -> None:
-        """After a successful forward: count the fed tokens, fork n-choice prompts, sample the due entries."""
-        rows, to_sample = [], []
+    def _advance(self, plan: list[tuple[Request, int]], out: torch.Tensor | SpecForward, t0: float) -> None:
+        """After a successful forward: count the fed tokens, fork n-choice prompts, sample the due entries, verify
+        drafts and propose new ones (speculative steps)."""
+        spec = out if isinstance(out, SpecForward) else None
+        logits = out if spec is None else spec.logits
+        rows, to_sample, to_verify, cells = [], [], [], []
         prompt_fed = recomputed = 0
         for i, (req, n) in enumerate(plan):
             if req.suspect:
@@ -264,26 +304,63 @@ class Engine:
             req.num_cached += n
             if req.num_cached >= len(req.prompt_ids):
                 req.prompt_embeds = None  # prefilled: nothing of the vision tower stays
+            cells.append((req, i))
             if req.num_cached == req.num_tokens:  # fed everything known: the next token is due
                 if req.suspect:  # recomputed its whole history alone: cleared
                     req.suspect = False
                     self._suspects.remove(req)
-                rows.append(i)
+                if req.drafts:
+                    to_verify.append((req, i, n))
+                    continue
+                row = i if spec is None else spec.first_row[i]
+                rows.append(row)
                 to_sample.append(req)
                 if req.forks:  # prompt prefilled: its other choices start from a copy of its state
                     for child in self._fork(req):
-                        rows.append(i)
+                        rows.append(row)
                         to_sample.append(child)
+                        cells.append((child, i))
+        emitted = len(to_sample)
         if to_sample:
             self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
-        self.stats.step(prompt_fed, time.perf_counter() - t0, len(to_sample), recomputed)
+        for req, i, n in to_verify:
+            emitted += self._verify(req, i, n, spec)
+        if spec is not None:
+            self._propose(cells, spec)
+        self.stats.step(prompt_fed, time.perf_counter() - t0, emitted, recomputed)
+
+    def _verify(self, req: Request, i: int, n: int, out: SpecForward) -> int:
+        """Accept entry i's drafts, roll its slot back past the first rejected one, record the emitted tokens;
+        returns how many were emitted."""
+        try:
+            verdict = self.speculator.verify(req, out, i)
+        except Exception as e:  # this request's problem alone, as a failing sampled row
+            log.exception("request %s: verifying its drafts failed", req.request_id)
+            self._finish(req, "error", f"verifying draft tokens failed: {type(e).__name__}: {e}")
+            return 0
+        if verdict is None:
+            self._finish(req, "error", "the model's logits for this request are not finite (NaN or inf)")
+            return 0
+        self.speculator.commit(req, i, n, verdict, out)
+        self._emit(req, verdict.tokens, verdict.chosen, verdict.top, list(range(len(verdict.tokens))))
+        return len(verdict.tokens)
+
+    def _propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
+        """New MTP cells and drafts for the step's speculating requests; a failure only turns their speculation
+        off (their tokens stay exact: drafts are only ever proposals)."""
+        try:
+            self.speculator.propose(cells, out)
+        except Exception:
+            log.exception("the MTP draft head failed; speculation is off for the requests of this step")
+            for req, _ in cells:
+                req.spec_k, req.drafts = 0, []
 
     def _fork(self, parent: Request) -> list[Request]:
         """Give the parent's pending children its prefilled state (their reserved slots) and start them."""
         children, parent.forks = parent.forks, []
         for child in children:
             self.cache.copy_slot(parent.slot, child.slot)
-            child.num_cached = parent.num_cached
+            child.num_cached, child.mtp_cells = parent.num_cached, parent.mtp_cells
             self.running.append(child)
         return children
 
@@ -300,8 +377,8 @@ class Engine:
         log.warning("model step of %d requests failed (%s); recomputing them one at a time: %s", len(plan), what, ids)
         for req, _ in plan:
             self.cache.reset_slot(req.slot)  # partly written by the failed step
-            req.num_cached = 0
-            req.prompt_embeds = None
+            req.num_cached = req.mtp_cells = 0
+            req.prompt_embeds, req.drafts = None, []
             if not req.suspect:
                 req.suspect = True
                 self._suspects.append(req)
@@ -354,21 +431,16 @@ class Engine:
         budget = self.max_num_batched_tokens
         if self._suspects:
             req = self._suspects[0]
-            return [(req, min(budget, req.num_tokens - req.num_cached))]
+            return [(req, self._chunk(req, budget))]
         plan = []
         decoding = [r for r in self.running if r.num_cached >= len(r.prompt_ids)]
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_ids)]
-        for req in decoding:
+        for req in decoding + prefilling:  # decodes first: one token each (more after rejected drafts)
             if budget == 0:
                 break
-            plan.append((req, 1))
-            budget -= 1
-        for req in prefilling:
-            if budget == 0:
-                break
-            n = min(budget, len(req.prompt_ids) - req.num_cached)
+            n = self._chunk(req, budget)
             plan.append((req, n))
-            budget -= n
+            budget -= n + len(req.drafts)
         # A request with n choices is admitted when its n slots are free (its children reserve theirs now).
         while budget > 0 and self.waiting and self.cache.free_slots > len(self.waiting[0].forks):
             req = self.waiting.popleft()
@@ -381,6 +453,16 @@ class Engine:
             budget -= n
         return plan
 
+    @staticmethod
+    def _chunk(req: Request, budget: int) -> int:
+        """Known tokens of `req` to feed in a step with `budget` tokens left: all not yet cached (a decode's one
+        token, a replay after rejected drafts, a prompt's rest) or a chunk of them. Its drafts ride along only
+        when the entry reaches its last known token, trimmed to the budget (else they are dropped)."""
+        known = req.num_tokens - req.num_cached
+        n = min(budget, known)
+        req.drafts = req.drafts[: budget - n] if n == known else []
+        return n
+
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         want = any(r.params.logprobs is not None for r in reqs)
         errors: dict[int, str] = {}
@@ -391,7 +473,6 @@ class Engine:
         tokens_host = tokens.tolist()
         top_n = max((r.params.logprobs or 0) for r in reqs)
         top = torch.topk(logprobs, top_n, dim=-1) if top_n else None
-        now = time.perf_counter()
         for i, req in enumerate(reqs):
             tok = tokens_host[i]
             if tok == FAILED:
@@ -399,16 +480,23 @@ class Engine:
                 log.error("request %s failed: %s", req.request_id, msg)
                 self._finish(req, "error", msg)
                 continue
+            self._emit(req, [tok], [chosen[i]] if want else None, top, [i])
+
+    def _emit(self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]) -> None:
+        """Record `tokens` in order (log-probs `chosen[j]`, top-n row `rows[j]` of `top`) until one stops the
+        request; then finish or notify it. A failure processing them ends this request alone."""
+        now = time.perf_counter()
+        for j, tok in enumerate(tokens):
             try:
-                reason = self._record(req, tok, chosen[i] if want else None, top, i, now)
+                reason = self._record(req, tok, chosen[j] if chosen is not None else None, top, rows[j], now)
             except Exception as e:  # e.g. the tokenizer failing on this request's text: its problem alone
                 log.exception("request %s failed after sampling", req.request_id)
                 self._finish(req, "error", f"processing the sampled token failed: {type(e).__name__}: {e}")
-                continue
+                return
             if reason is not None:
                 self._finish(req, reason)
-            else:
-                self._notify(req)
+                return
+        self._notify(req)
 
     def _record(self, req: Request, tok: int, chosen: float | None, top, i: int, now: float) -> str | None:
         """Append a sampled token (and its log-probs) to `req`; its stop reason or None."""
@@ -447,6 +535,7 @@ class Engine:
         req.error = error
         req.finish_time = time.perf_counter()
         req.images = req.prompt_embeds = None
+        req.drafts = []
         if req.suspect:
             req.suspect = False
             self._suspects.remove(req)

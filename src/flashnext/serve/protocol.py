@@ -44,6 +44,8 @@ class _Body(BaseModel):
     """Extension: ids that end generation."""
     ignore_eos: bool = False
     """Extension: generate past EOS."""
+    num_speculative_tokens: int | None = None
+    """Extension: MTP draft tokens per step for this request (0 = off; default the server's --speculative-tokens)."""
     stream: bool = False
     n: int = 1
     """Choices of the prompt; they share its prefill."""
@@ -84,6 +86,7 @@ class _Body(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids) + stop_ids,
             ignore_eos=self.ignore_eos,
+            num_speculative_tokens=self.num_speculative_tokens,
             logprobs=logprobs,
             n=self.n,
         )

@@ -31,6 +31,9 @@ class Completion:
         finish_reason: "length", "stop", "abort" (cancelled) or "error" (failed; `error` says why).
         index: the choice's index among the request's n.
         error: why the request failed (finish_reason "error" or "abort"), else None.
+        num_draft_tokens: MTP draft tokens verified for this choice (speculative decoding; 0 without).
+        num_accepted_tokens: of those, accepted.
+        num_verify_steps: steps that verified drafts (each emits the accepted drafts plus one token).
     """
 
     request_id: str
@@ -42,6 +45,9 @@ class Completion:
     finish_reason: str | None
     index: int = 0
     error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects (membership in the queues)
@@ -50,7 +56,8 @@ class Request:
 
     `num_cached` counts the known tokens (prompt, then generated ones) whose state is in the slot; after a failed
     step the slot is reset and `num_cached` restarts at 0, so the request is recomputed from its token history
-    (`suspect` until that recompute succeeds).
+    (`suspect` until that recompute succeeds). Speculative decoding (`spec_k` > 0, see `serve.speculative`): the
+    request's next step also feeds `drafts`; `mtp_cells` counts the positions whose MTP-head cell is in its slot.
     """
 
     request_id: str
@@ -77,6 +84,12 @@ class Request:
     images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) until finished
     prompt_embeds: torch.Tensor | None = None  # [L, D] text + image features, while prefilling
     mrope: tuple[torch.Tensor, int] | None = None  # prompt MRoPE positions int64 [3, L] and the decode delta
+    spec_k: int = 0  # draft tokens per step (0: no speculation)
+    drafts: list[int] = field(default_factory=list)  # proposed tokens after the last known one, to verify next
+    mtp_cells: int = 0  # positions whose MTP-head cell is cached (cells 0 .. mtp_cells - 1)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +98,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """The known tokens at positions start .. stop - 1 (prompt, then generated)."""
+        p = len(self.prompt_ids)
+        prompt = self.prompt_ids[start:stop] if start < p else []
+        return prompt + self.output_ids[max(0, start - p) : max(0, stop - p)]
 
     def pending_ids(self, n: int) -> list[int]:
         """The next n known tokens to feed: prompt tokens, then generated ones (a decode feeds the last one)."""
@@ -105,4 +124,7 @@ class Request:
             finish_reason=self.finish_reason,
             index=self.index,
             error=self.error,
+            num_draft_tokens=self.num_drafted,
+            num_accepted_tokens=self.num_accepted,
+            num_verify_steps=self.num_verify_steps,
         )

@@ -35,6 +35,7 @@ GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below this (the smallest normal fp32 number) sample greedily: the T -> 0 limit."""
 _FP32_MAX = torch.finfo(torch.float32).max
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class FieldError(InputError):
@@ -63,6 +64,9 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS id.
         logprobs: None = no log-probs; 0 = the sampled token's; n > 0 = also the top n per position.
         n: completions of the prompt; they share its prefill (the prompt's state is computed once and copied).
+        num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
+            one step of the model (0 = off; None = the engine's default). The output distribution is the same
+            either way (greedy: the same tokens, up to float rounding of near ties).
     """
 
     max_tokens: int = 16
@@ -75,6 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    num_speculative_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +102,12 @@ class SamplingParams:
             raise FieldError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
         if not _is_int(self.n) or self.n < 1:
             raise FieldError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise FieldError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
+                "num_speculative_tokens",
+            )
         bad = next((i for i, t in enumerate(self.stop_token_ids) if not _is_int(t)), None)
         if bad is not None:
             raise FieldError(
@@ -191,6 +202,13 @@ def sample(
 def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen: torch.Generator | None):
     """One token of a non-greedy row [V] (a 1-element tensor). The distribution is valid for any logits: a
     non-finite row (reported FAILED by the caller) becomes uniform here rather than reaching `multinomial`."""
+    return torch.multinomial(target_probs(row, row_max, p), 1, generator=gen).squeeze(0)
+
+
+def target_probs(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The weights fp32 [V] a non-greedy row [V] samples from: temperature, then top-k, then top-p (what
+    speculative verification accepts drafts against; they sum to 1 unless top-p dropped tokens, so normalise
+    before reading one as a probability). `row_max`: the row's maximum (a 0-d tensor)."""
     scaled = (row - row_max).nan_to_num_(nan=0.0) / min(p.temperature, _FP32_MAX)
     if 0 < p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]  # on the raw logits: scaling keeps the order
@@ -203,4 +221,4 @@ def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
         drop[0] = False
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=gen).squeeze(0)
+    return probs

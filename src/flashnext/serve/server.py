@@ -90,9 +90,14 @@ class EngineLoop:
 def log_finished(req) -> None:
     ttft = f"{req.first_token_time - req.arrival:.3f}s" if req.first_token_time is not None else "-"
     total = (req.finish_time or time.perf_counter()) - req.arrival
+    spec = ""
+    if req.num_verify_steps:  # speculative decoding: this request's acceptance rate and mean accepted length
+        rate = req.num_accepted / req.num_drafted
+        length = (req.num_accepted + req.num_verify_steps) / req.num_verify_steps
+        spec = f", drafts accepted {req.num_accepted}/{req.num_drafted} ({rate:.0%}, mean length {length:.2f})"
     log.info(
-        "request %s finished: %s, prompt %d tokens, completion %d tokens, ttft %s, %.3fs%s",
-        req.request_id, req.finish_reason, len(req.prompt_ids), len(req.output_ids), ttft, total,
+        "request %s finished: %s, prompt %d tokens, completion %d tokens, ttft %s, %.3fs%s%s",
+        req.request_id, req.finish_reason, len(req.prompt_ids), len(req.output_ids), ttft, total, spec,
         f" ({req.error})" if req.error else "",
     )  # fmt: skip
 

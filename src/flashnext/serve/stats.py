@@ -30,6 +30,14 @@ class EngineStats:
         self.finish_reasons: Counter[str] = Counter()
         self.ttft: deque[float] = deque(maxlen=window)
         self.tpot: deque[float] = deque(maxlen=window)
+        # Speculative decoding: drafts verified and accepted, verify steps (one per request and step), tokens fed
+        # again after a rejection; per finished request that speculated, its acceptance rate and mean length.
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_verify_steps = 0
+        self.spec_replayed_tokens = 0
+        self.spec_request_acceptance: deque[float] = deque(maxlen=window)
+        self.spec_request_length: deque[float] = deque(maxlen=window)
         self._recent: deque[tuple[float, int, int]] = deque()  # (end time, prompt tokens, sampled tokens)
         self._lock = threading.Lock()
 
@@ -44,6 +52,24 @@ class EngineStats:
             self._recent.append((now, prompt_tokens, sampled))
             while self._recent[0][0] < now - self.rate_seconds:
                 self._recent.popleft()
+
+    def speculation(self, drafted: int, accepted: int, replay: int) -> None:
+        """One request's verify step: `drafted` drafts, `accepted` of them, `replay` tokens to feed again."""
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        self.spec_verify_steps += 1
+        self.spec_replayed_tokens += replay
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens, server-wide (NaN before any)."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's one), server-wide (NaN before any)."""
+        steps = self.spec_verify_steps
+        return (self.spec_accepted + steps) / steps if steps else float("nan")
 
     def recent_rates(self, now: float | None = None) -> tuple[float, float]:
         """(prompt tokens/s, generated tokens/s) over the last `rate_seconds` (0 when idle that long)."""
@@ -60,6 +86,9 @@ class EngineStats:
             n = len(req.output_ids)
             if n > 1 and req.finish_time is not None:
                 self.tpot.append((req.finish_time - req.first_token_time) / (n - 1))
+        if req.num_drafted:
+            self.spec_request_acceptance.append(req.num_accepted / req.num_drafted)
+            self.spec_request_length.append((req.num_accepted + req.num_verify_steps) / req.num_verify_steps)
 
 
 def _quantiles(name: str, values) -> list[str]:
@@ -109,4 +138,29 @@ def prometheus_text(engine) -> str:
     ]
     lines += _quantiles("flashnext_time_to_first_token_seconds", s.ttft)
     lines += _quantiles("flashnext_time_per_output_token_seconds", s.tpot)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _speculation_lines(s)) + "\n"
+
+
+def _speculation_lines(s: EngineStats) -> list[str]:
+    """Speculative decoding: server-wide counters and rates, and per-request summaries (finished requests)."""
+    lines = [
+        "# HELP flashnext_spec_draft_tokens_total MTP draft tokens verified",
+        "# TYPE flashnext_spec_draft_tokens_total counter",
+        f"flashnext_spec_draft_tokens_total {s.spec_drafted}",
+        "# TYPE flashnext_spec_accepted_tokens_total counter",
+        f"flashnext_spec_accepted_tokens_total {s.spec_accepted}",
+        "# HELP flashnext_spec_verify_steps_total verify steps (one per speculating request and model step)",
+        "# TYPE flashnext_spec_verify_steps_total counter",
+        f"flashnext_spec_verify_steps_total {s.spec_verify_steps}",
+        "# HELP flashnext_spec_replayed_tokens_total tokens fed again after rejected drafts (the rollback)",
+        "# TYPE flashnext_spec_replayed_tokens_total counter",
+        f"flashnext_spec_replayed_tokens_total {s.spec_replayed_tokens}",
+        "# HELP flashnext_spec_acceptance_rate accepted / verified draft tokens",
+        "# TYPE flashnext_spec_acceptance_rate gauge",
+        f"flashnext_spec_acceptance_rate {s.acceptance_rate:.6f}",
+        "# HELP flashnext_spec_mean_accepted_length tokens emitted per verify step (accepted drafts + 1)",
+        "# TYPE flashnext_spec_mean_accepted_length gauge",
+        f"flashnext_spec_mean_accepted_length {s.mean_accepted_length:.6f}",
+    ]
+    lines += _quantiles("flashnext_spec_request_acceptance_rate", s.spec_request_acceptance)
+    return lines + _quantiles("flashnext_spec_request_mean_accepted_length", s.spec_request_length)

@@ -1,11 +1,11 @@
 """The run config of `flashnext train`: pydantic models read from TOML, overridable from the command line.
 
 A run config is a TOML file whose tables are the sections below (`[model]`, `[data]`, `[optim]`, `[rl]`,
-`[train]`, `[checkpoint]`, `[log]`); every field has a default, so an empty file trains the embedded tiny model
-on the bundled corpus. `--section.field=value` on the command line overrides a field; the value is read as a TOML
-literal (`--train.steps=20`, `--optim.betas=[0.9,0.99]`, `--model.path="ckpt"`) and falls back to a plain string
-(`--model.path=ckpt`). Unknown keys and bad values raise one `ConfigError` naming every offending field and where
-its value came from (the command-line override, the TOML file, or the default).
+`[train]`, `[parallel]`, `[checkpoint]`, `[log]`); every field has a default, so an empty file trains the embedded
+tiny model on the bundled corpus. `--section.field=value` on the command line overrides a field; the value is read
+as a TOML literal (`--train.steps=20`, `--optim.betas=[0.9,0.99]`, `--model.path="ckpt"`) and falls back to a
+plain string (`--model.path=ckpt`). Unknown keys and bad values raise one `ConfigError` naming every offending field
+and where its value came from (the command-line override, the TOML file, or the default).
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ class TrainSection(BaseModel):
     """Optimizer steps to run (in total, counting the steps of a resumed checkpoint); at least 1."""
     loss: Literal["sft", "rl"] = "sft"
     """`sft`: cross-entropy on label tokens; `rl`: the importance-weighted policy loss (needs RL data)."""
+    mtp_loss_weight: float = Field(0.0, ge=0)
+    """Weight of the MTP head's next-next-token loss added to the step's loss (0: the head is not trained);
+    needs a model with an MTP head (`mtp_num_hidden_layers` in its config)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant) instead of keeping its activations."""
     compile: bool = False
@@ -139,6 +142,16 @@ class TrainSection(BaseModel):
     overwrite: bool = False
     """Start over in an `out_dir` that holds a previous run: delete its `metrics.jsonl`, `checkpoints/`,
     `final/` and `plots/` first (without it, and without `--resume`, such an `out_dir` is refused)."""
+
+
+class ParallelSection(BaseModel):
+    """How the ranks of a `torchrun` launch share the work (FSDP2 always shards over every rank)."""
+
+    model_config = _STRICT
+
+    cp: int = Field(1, ge=1)
+    """Context parallelism: ranks that split each micro-batch's token stream (a long sequence spans them). Must
+    divide the world size; the `world / cp` groups take different micro-batches. Text models, no `train.compile`."""
 
 
 class CheckpointSection(BaseModel):
@@ -183,6 +196,7 @@ class RunConfig(BaseModel):
     optim: OptimConfig = OptimConfig()
     rl: RLLossConfig = RLLossConfig()
     train: TrainSection = TrainSection()
+    parallel: ParallelSection = ParallelSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
 

@@ -63,7 +63,7 @@ class Evaluator:
     def loss(
         self,
         model: torch.nn.Module,
-        forward_loss: Callable[[PackedBatch, float], tuple[torch.Tensor, dict]],
+        forward_loss: Callable[[PackedBatch, float], tuple],
         rank: int = 0,
         world_size: int = 1,
         all_reduce_sum: Callable[[list[float]], list[float]] = lambda v: v,
@@ -75,7 +75,7 @@ class Evaluator:
         try:
             for k in range(math.ceil(len(self.batches) / world_size)):
                 i = k * world_size + rank
-                loss, _ = forward_loss(self.batches[i if i < len(self.batches) else 0], 1.0)
+                loss = forward_loss(self.batches[i if i < len(self.batches) else 0], 1.0)[0]
                 total += float(loss) if i < len(self.batches) else 0.0
         finally:
             model.train(was_training)

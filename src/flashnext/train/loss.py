@@ -1,8 +1,8 @@
-"""Training losses on flat token streams: SFT cross-entropy and the RL (IPO) policy loss.
+"""Training losses on flat token streams: SFT cross-entropy, the MTP head's, and the RL (IPO) policy loss.
 
 Legend: T = tokens in the flat (micro-batch) stream, V = vocabulary.
 
-Both losses divide a *sum* over this micro-batch's loss tokens by a count taken over the whole optimizer step
+Every loss divides a *sum* over this micro-batch's loss tokens by a count taken over the whole optimizer step
 (every micro-batch, every rank), so summing the micro-batch losses (and their gradients) gives the step's mean
 whatever way the tokens were split.
 """
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.batch import Segments, make_segments, next_token_targets
 from flashnext.errors import InputError
+from flashnext.model.mtp import mtp_targets
 
 IGNORE_INDEX = -100
 
@@ -74,9 +75,49 @@ def sft_loss(
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise InputError(f"logits must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
     seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    targets = next_token_targets(labels, seg, IGNORE_INDEX)
+    return shifted_sft_loss(logits, next_token_targets(labels, seg, IGNORE_INDEX), num_label_tokens)
+
+
+def shifted_sft_loss(logits: torch.Tensor, targets: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
+    """`sft_loss` of targets already shifted (`targets[t]` is what row t predicts, -100 none), e.g. a
+    context-parallel rank's slice of targets formed on the whole stream. logits [T, V], targets int64 [T]."""
     total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return _divide(total, num_label_tokens, "num_label_tokens")
+
+
+def count_mtp_tokens(labels: torch.Tensor, seg_or_cu: Segments | torch.Tensor) -> int:
+    """Number of tokens `mtp_loss` sums over in one micro-batch (targets `labels[t + 2]` within a sequence)."""
+    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
+    return int((mtp_targets(labels, seg, IGNORE_INDEX) != IGNORE_INDEX).sum())
+
+
+def mtp_loss(
+    mtp_logits: torch.Tensor,
+    labels: torch.Tensor,
+    seg_or_cu: Segments | torch.Tensor,
+    num_mtp_tokens: int | torch.Tensor,
+) -> torch.Tensor:
+    """The MTP head's next-next-token cross-entropy, summed in fp32 and divided by the step's count.
+
+    Position t's draft logits (`CausalLMOutput.mtp_logits`, from the trunk's state at t and token t + 1) target
+    `labels[t + 2]` when t + 2 is in the same sequence; the last two tokens of each sequence and -100 targets
+    carry no loss.
+
+    Args:
+        mtp_logits: [T, V]. labels: int64 [T]. seg_or_cu: `Segments` or `cu_seqlens` int [N+1].
+        num_mtp_tokens: the step's count (sum of `count_mtp_tokens` over its micro-batches and ranks).
+
+    Returns:
+        0-d fp32 tensor; summed over the step's micro-batches, the mean over the step's MTP target tokens.
+    """
+    if mtp_logits.dim() != 2 or labels.shape != mtp_logits.shape[:1]:
+        raise InputError(
+            f"mtp_logits must be [T, V] and labels [T], got {tuple(mtp_logits.shape)} and {tuple(labels.shape)}"
+        )
+    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
+    targets = mtp_targets(labels, seg, IGNORE_INDEX)
+    total = F.cross_entropy(mtp_logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _divide(total, num_mtp_tokens, "num_mtp_tokens")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

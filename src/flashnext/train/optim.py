@@ -12,6 +12,10 @@ Parameter groups (by name and shape, see `classify`):
 - `frozen`: the QSA indexer (`...self_attn.indexer.*`). It only chooses which blocks a query attends to; that
   choice is a discrete top-k, so no gradient reaches it. It is set to `requires_grad_(False)` and put in no
   optimizer (weight decay would otherwise shrink it although the loss never moves it).
+- `mtp_decay` / `mtp_no_decay`: the MTP draft head (`mtp.*`; its indexer is `frozen` like the trunk's), in an
+  optimizer of its own: AdamW (decay on ndim >= 2) at `mtp_lr`. It is trained by its own loss
+  (`train.mtp_loss_weight`), usually on top of a trained trunk, so its step size is set apart from the trunk's;
+  while that loss is off its parameters get no gradient and AdamW leaves them untouched (no decay either).
 - The composite model's decoder (`model.language_model.*`) follows the rules above as if it were `model.*`.
   Its vision tower (`model.visual.*`) goes to AdamW: `adamw_decay` for every tensor with ndim >= 2 (block and
   merger matrices, the position table, the 5-D patch-embedding kernel), `adamw_no_decay` for 1-D ones. AdamW
@@ -40,6 +44,7 @@ from flashnext.muon import ExpertMuon, Muon, batched_newton_schulz  # noqa: F401
 
 FROZEN, MUON, MUON_EXPERTS = "frozen", "muon", "muon_experts"
 ADAMW_DECAY, ADAMW_NO_DECAY = "adamw_decay", "adamw_no_decay"
+MTP_DECAY, MTP_NO_DECAY = "mtp_decay", "mtp_no_decay"
 _ADAMW_MATRICES = ("embed_tokens.", "lm_head.", "ngram_embedding.")
 
 
@@ -52,6 +57,8 @@ class OptimConfig(BaseModel):
     """Peak learning rate of the AdamW groups (embeddings, n-gram tables, lm_head, norms, 1-D parameters)."""
     muon_lr: float = Field(0.02, ge=0)
     """Peak learning rate of the Muon groups (hidden matrices and per-expert slices)."""
+    mtp_lr: float | None = Field(None, ge=0)
+    """Peak learning rate of the MTP head's AdamW (its own optimizer); None: `lr`."""
     weight_decay: float = Field(0.1, ge=0)
     """Decoupled weight decay on matrices and tables (ndim >= 2); 1-D parameters get none."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -97,6 +104,8 @@ def classify(name: str, p: torch.Tensor) -> str:
         name = "model." + name.removeprefix("model.language_model.")
     if ".self_attn.indexer." in name:
         return FROZEN
+    if name.startswith("mtp."):
+        return MTP_DECAY if p.ndim >= 2 else MTP_NO_DECAY
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
         return MUON_EXPERTS
     if name.startswith(_ADAMW_MATRICES) or any(f".{key}" in name for key in _ADAMW_MATRICES):
@@ -116,13 +125,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
     """Freeze the QSA indexer and build one optimizer per kind of parameter.
 
     Returns:
-        optimizers: `{"muon": Muon, "muon_experts": ExpertMuon, "adamw": AdamW}` (an entry is left out when it
-            would hold no parameter); the AdamW optimizer has param groups `adamw_decay` and `adamw_no_decay`
-            (`group["name"]`).
+        optimizers: `{"muon": Muon, "muon_experts": ExpertMuon, "adamw": AdamW, "mtp": AdamW}` (an entry is left
+            out when it would hold no parameter); the AdamW optimizers have param groups `adamw_decay` /
+            `adamw_no_decay` and `mtp_decay` / `mtp_no_decay` (`group["name"]`).
         report: `{param_name: group}` for every parameter, `frozen` for the indexer.
     """
     report: dict[str, str] = {}
-    members: dict[str, list[torch.Tensor]] = {MUON: [], MUON_EXPERTS: [], ADAMW_DECAY: [], ADAMW_NO_DECAY: []}
+    members: dict[str, list[torch.Tensor]] = {
+        g: [] for g in (MUON, MUON_EXPERTS, ADAMW_DECAY, ADAMW_NO_DECAY, MTP_DECAY, MTP_NO_DECAY)
+    }
     for name, p in model.named_parameters():
         group = classify(name, p)
         if name.startswith("model.visual.") and not p.requires_grad:
@@ -158,6 +169,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[dict[str, torch
     adamw_groups = [g for g in adamw_groups if g["params"]]
     if adamw_groups:
         optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    mtp_groups = [
+        {"params": members[MTP_DECAY], "weight_decay": cfg.weight_decay, "name": MTP_DECAY},
+        {"params": members[MTP_NO_DECAY], "weight_decay": 0.0, "name": MTP_NO_DECAY},
+    ]
+    mtp_groups = [g for g in mtp_groups if g["params"]]
+    if mtp_groups:
+        lr = cfg.lr if cfg.mtp_lr is None else cfg.mtp_lr
+        optimizers["mtp"] = torch.optim.AdamW(mtp_groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
     return optimizers, report
 
 

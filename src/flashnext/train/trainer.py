@@ -27,12 +27,21 @@ from flashnext.batch import PackedBatch, make_segments, next_token_targets
 from flashnext.checkpoint import training as ckpt
 from flashnext.config import TextConfig
 from flashnext.errors import CheckpointError, ConfigError
+from flashnext.parallel.context import ContextBatch, context_group
 from flashnext.parallel.dist import DistContext, init_distributed
 from flashnext.train import run_dir
 from flashnext.train.config import RunConfig
 from flashnext.train.data import ModelLimits
 from flashnext.train.evaluation import Evaluator
-from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, rl_loss, step_mean
+from flashnext.train.loss import (
+    IGNORE_INDEX,
+    count_label_tokens,
+    count_mtp_tokens,
+    rl_loss,
+    shifted_sft_loss,
+    step_mean,
+    token_logprobs,
+)
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
@@ -65,6 +74,8 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.model = build_model(cfg, self.device, self.ctx)
         self.text_config: TextConfig = self.model.config
+        self.cp = self._context_group()  # None without context parallelism
+        self.dp_rank, self.dp_size = (self.cp.index, self.cp.count) if self.cp else (self.ctx.rank, self.ctx.world_size)
         self.tokenizer = load_tokenizer_for(cfg) if needs_tokenizer(cfg) else None
         self._check_vocab()
         self._build_data()
@@ -92,13 +103,18 @@ class Trainer:
             cfg.data.token_budget,
             self.cost_fn,
             seed=cfg.data.seed,
-            group_size=cfg.data.micro_batches * self.ctx.world_size,
+            group_size=cfg.data.micro_batches * self.dp_size,
             truncate=cfg.data.truncate,
         )
         self.batches = iter(self.loader)
         self.evaluator = (
             Evaluator(held_out, cfg.data.token_budget, self.cost_fn, cfg.data.truncate) if held_out else None
         )
+        if cfg.train.mtp_loss_weight > 0 and getattr(self.model, "mtp", None) is None:
+            raise ConfigError(
+                f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
+                "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
+            )
         # the held-out split too: its loss is the run's loss
         if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
             raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
@@ -148,6 +164,24 @@ class Trainer:
         if self.ctx.is_main:
             print(f"flashnext train: warning: {message}", file=sys.stderr, flush=True)
 
+    def _context_group(self):
+        """`parallel.cp > 1`: this rank's CP group (`parallel.context`); its ranks split each micro-batch."""
+        cp = self.cfg.parallel.cp
+        if cp == 1:
+            return None
+        from flashnext.model.text import FlashNextForCausalLM
+
+        if not self.ctx.distributed or self.cfg.train.compile or not isinstance(self.model, FlashNextForCausalLM):
+            raise ConfigError(f"parallel.cp={cp} needs a torchrun launch, a text model and train.compile=false")
+        if self.cfg.train.mtp_loss_weight > 0:
+            raise ConfigError(
+                f"parallel.cp={cp} with train.mtp_loss_weight > 0 is not supported (the MTP head's targets "
+                "are two tokens ahead, across the slice's edge)"
+            )
+
+        ratio = self.text_config.indexer_compress_ratio if self.text_config.qsa_enabled else 1
+        return context_group(self.ctx.rank, self.ctx.world_size, cp, ratio)
+
     def _check_vocab(self) -> None:
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.text_config.vocab_size:
             raise ConfigError(
@@ -157,51 +191,100 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[PackedBatch]:
-        """This rank's micro-batches of the next step (the loader position advances for every rank's share)."""
-        n, world = self.cfg.data.micro_batches, self.ctx.world_size
-        step_batches = [next(self.batches) for _ in range(n * world)]
-        return step_batches[self.ctx.rank :: world]
+        """This rank's micro-batches of the next step (the loader position advances for every rank's share).
 
-    def _forward_loss(self, b: PackedBatch, num_loss_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One micro-batch's loss (a sum over its loss tokens / the step's count) and its RL metrics.
+        With context parallelism the ranks of a CP group take the same micro-batches, each its slice of them."""
+        n, groups = self.cfg.data.micro_batches, self.dp_size
+        step_batches = [next(self.batches) for _ in range(n * groups)]
+        mine = step_batches[self.dp_rank :: groups]
+        return [self.cp.shard(b, self.device) for b in mine] if self.cp else mine
 
-        The model computes the loss or the target log-probs without materialising the [T, V] logits
-        (`return_logits=False`: the LM head runs in row chunks fused with the loss, `ops.lm_head`).
+    def _forward_loss(
+        self, b: PackedBatch | ContextBatch, num_loss_tokens: float, num_mtp_tokens: float = 0.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """(loss, RL metrics, the MTP head's loss or None when `train.mtp_loss_weight` is 0) of one micro-batch.
+
+        The model computes the losses or the target log-probs without materialising the [T, V] logits
+        (`return_logits=False`: the LM heads run in row chunks fused with the loss, `ops.lm_head`).
         """
+        if isinstance(b, ContextBatch):  # (context parallelism is refused with an MTP loss: `_context_group`)
+            return (*self._context_forward_loss(b, num_loss_tokens), None)
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
         labels = b.labels.to(dev)
+        with_mtp = self.cfg.train.mtp_loss_weight > 0
         kwargs = dict(cu_seqlens=cu, position_ids=pos, routed_experts=replay, return_logits=False)
+        kwargs.update(b.image_kwargs(dev), **({"return_mtp": True} if with_mtp else {}))
         if self.cfg.train.loss == "sft":
-            out = self.model(ids, labels=labels, **kwargs, **b.image_kwargs(dev))
-            return step_mean(out.loss_sum, num_loss_tokens), {}
+            out = self.model(ids, labels=labels, **kwargs)
+            return step_mean(out.loss_sum, num_loss_tokens), {}, self._mtp_loss(out, num_mtp_tokens)
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
-        out = self.model(ids, logprob_targets=torch.where(mask, targets, 0), **kwargs, **b.image_kwargs(dev))
+        # labels only for the MTP head's targets (the main head then also sums a CE nobody reads: one chunked pass)
+        mtp_labels = {"labels": labels} if with_mtp else {}
+        out = self.model(ids, logprob_targets=torch.where(mask, targets, 0), **mtp_labels, **kwargs)
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
-        return rl_loss(out.logprobs, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=out.entropy)
+        loss, metrics = rl_loss(out.logprobs, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=out.entropy)
+        return loss, metrics, self._mtp_loss(out, num_mtp_tokens)
+
+    def _mtp_loss(self, out, num_mtp_tokens: float) -> torch.Tensor | None:
+        if self.cfg.train.mtp_loss_weight <= 0:
+            return None
+        return step_mean(out.mtp_loss_sum, num_mtp_tokens, "num_mtp_tokens")
+
+    def _context_forward_loss(self, b: ContextBatch, num_loss_tokens: float):
+        """A CP rank's slice: targets (and RL inputs) were shifted on the whole stream before slicing."""
+        ids, cu, pos, replay = b.input_ids, b.cu_seqlens, b.position_ids, b.routed_experts
+        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, cp=b.shard)
+        if self.cfg.train.loss == "sft":
+            return shifted_sft_loss(out.logits, b.targets, num_loss_tokens), {}
+        return self._rl_loss(out.logits, b.targets, b.inference_logprobs, b.advantages, num_loss_tokens)
+
+    def _rl_loss(self, logits, targets, lp_infer, adv, num_loss_tokens: float):
+        mask = targets != IGNORE_INDEX
+        lp_train, entropy = token_logprobs(logits, torch.where(mask, targets, 0))
+        return rl_loss(lp_train, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=entropy)
+
+    def _counts(self, b: PackedBatch | ContextBatch) -> tuple[int, int, float, int]:
+        """(loss tokens, input tokens, forward FLOPs, MTP targets) of this rank's part of a micro-batch: summed over
+        ranks they count every micro-batch of the step once (a CP rank counts its slice, and 1/cp of the FLOPs)."""
+        if isinstance(b, ContextBatch):
+            share = self.cost_fn(b.source.lengths) / self.cp.size
+            return int((b.targets != IGNORE_INDEX).sum()), b.real_tokens, share, 0
+        mtp = count_mtp_tokens(b.labels, b.cu_seqlens) if self.cfg.train.mtp_loss_weight else 0
+        return count_label_tokens(b.labels, b.cu_seqlens), b.num_tokens, self.cost_fn(b.lengths), mtp
+
+    def _accumulate(self, batches: list, num_loss_tokens: float, num_mtp_tokens: float):
+        """Forward/backward every micro-batch; (loss sum, MTP loss sum, RL metric [weighted sum, weight] by name)."""
+        loss_sum, mtp_sum = torch.zeros((), dtype=torch.float64), 0.0
+        rl_sums: dict[str, list[float]] = {}
+        weight = self.cfg.train.mtp_loss_weight
+        sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
+        for i, b in enumerate(batches):
+            if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
+                sync(i == len(batches) - 1)
+            loss, metrics, mtp = self._forward_loss(b, num_loss_tokens, num_mtp_tokens)
+            (loss if mtp is None else loss + weight * mtp).backward()
+            loss_sum += loss.detach().double().cpu()
+            mtp_sum += 0.0 if mtp is None else float(mtp.detach())
+            for k, v in metrics.items():  # micro-batch means over some of its loss tokens -> weighted sums
+                if not k.endswith("_tokens"):
+                    w = _metric_weight(k, metrics)
+                    acc = rl_sums.setdefault(k, [0.0, 0.0])
+                    acc[0], acc[1] = acc[0] + float(v) * w, acc[1] + w
+        return loss_sum, mtp_sum, rl_sums
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step the optimizers and the schedule; returns metrics."""
         t0 = time.perf_counter()
-        local_counts = [float(count_label_tokens(b.labels, b.cu_seqlens)) for b in batches]
-        local_tokens = float(sum(b.num_tokens for b in batches))
-        num_loss_tokens, tokens = all_reduce_sum(self.ctx, [sum(local_counts), local_tokens])
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        rl_sums: dict[str, float] = {}
-        sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 root after `parallelize`
+        counts = [self._counts(b) for b in batches]
+        local = [float(sum(c[j] for c in counts)) for j in (0, 1, 3)]
+        num_loss_tokens, tokens, num_mtp_tokens = all_reduce_sum(self.ctx, local)
         with self._compute():  # fp32 parameters and gradients again after it (mixed precision)
-            for i, (b, n_local) in enumerate(zip(batches, local_counts, strict=True)):
-                if sync is not None:  # reduce-scatter once per step: the last micro-batch's backward syncs the sum
-                    sync(i == len(batches) - 1)
-                loss, metrics = self._forward_loss(b, num_loss_tokens)
-                loss.backward()
-                loss_sum += loss.detach().double().cpu()
-                for k, v in metrics.items():  # micro-batch means over its loss tokens -> weighted sums
-                    rl_sums[k] = rl_sums.get(k, 0.0) + float(v) * n_local
+            loss_sum, mtp_sum, rl_sums = self._accumulate(batches, num_loss_tokens, num_mtp_tokens)
         t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
         if self.ctx.distributed:
@@ -221,7 +304,7 @@ class Trainer:
 
         (loss_total,) = all_reduce_sum(self.ctx, [float(loss_sum)])
         seconds = time.perf_counter() - t0
-        flops = 3.0 * sum(self.cost_fn(b.lengths) for b in batches)  # forward + backward (2x), no recompute
+        flops = 3.0 * sum(c[2] for c in counts)  # forward + backward (2x), no recompute
         (flops,) = all_reduce_sum(self.ctx, [flops])
         out = {
             "step": self.step,
@@ -238,12 +321,14 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "model_flops_per_s": flops / seconds,
         }
+        if self.cfg.train.mtp_loss_weight:  # the head's own loss (mean over the step's MTP targets)
+            (out["mtp_loss"],) = all_reduce_sum(self.ctx, [mtp_sum])
         if self.peak_flops:
             out["mfu"] = flops / seconds / (self.peak_flops * self.ctx.world_size)
-        if rl_sums:  # loss-token means over the whole step: every micro-batch of every rank
-            keys = sorted(k for k in rl_sums if not k.endswith("_tokens"))
-            sums = all_reduce_sum(self.ctx, [rl_sums[k] for k in keys])
-            out.update({f"rl/{k}": v / max(num_loss_tokens, 1.0) for k, v in zip(keys, sums, strict=True)})
+        if rl_sums:  # means over the whole step's tokens of each kind: every micro-batch (or CP slice) of every rank
+            keys = sorted(rl_sums)
+            sums = all_reduce_sum(self.ctx, [x for k in keys for x in rl_sums[k]])
+            out.update({f"rl/{k}": sums[2 * i] / max(sums[2 * i + 1], 1.0) for i, k in enumerate(keys)})
         if not math.isfinite(out["loss"]):
             raise FloatingPointError(f"step {self.step}: loss is {out['loss']}")
         return out
@@ -485,6 +570,15 @@ def _precision(cfg: RunConfig) -> str:
 
 def _every(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _metric_weight(name: str, metrics: dict[str, torch.Tensor]) -> float:
+    """The tokens a micro-batch's RL metric averages over (masked / unmasked loss tokens, or all of them), so the
+    weighted step means do not depend on how the step's tokens were split into micro-batches and CP slices."""
+    loss_tokens, masked = float(metrics["loss_tokens"]), float(metrics["masked_tokens"])
+    if name.endswith("_unmasked"):
+        return loss_tokens - masked
+    return masked if name.endswith("_masked") else loss_tokens
 
 
 def _mean(history: list[dict[str, float]], key: str) -> float:

@@ -1,0 +1,240 @@
+"""Speculative decoding with the model's MTP head: propose drafts, verify them in one model step, roll back.
+
+A speculating request (`Request.spec_k` > 0: `SamplingParams.num_speculative_tokens`, or the engine's default)
+carries `drafts`, tokens its MTP head proposed for the positions after its last known token. A step feeds the
+request's known tokens not yet in the cache and then its drafts as one entry, and the model returns the logits of
+the last known token and of every draft (`SpecForward`), so one step verifies 1 + d positions (`verify`):
+- greedy: drafts are accepted while each equals the target's argmax at the position before it; the next token is
+  the target's argmax after the last accepted one (a bonus token when all d are accepted);
+- sampled: the drafts are the head's argmax (a point mass q = one-hot(d)), so draft j is accepted with
+  probability p(d_j) under the target's sampling distribution p at its position (temperature, top-k, top-p); at
+  the first rejection the token is drawn from p with d_j removed (renormalised); after d acceptances a bonus token
+  is drawn from p. That is rejection sampling against q: every emitted token has exactly the target's
+  distribution, whatever the drafts.
+
+Rollback. After the step the entry's window and recurrent state include every draft. When all d are accepted that
+is the state wanted; otherwise the engine restores the slot's window and recurrent state from a snapshot taken
+before the step (`StateCache.snapshot` / `restore`) and puts `num_cached` back, so the request's next step feeds
+this step's known tokens and accepted drafts again, then its new token and new drafts: the replay rides in the next
+verify step (a batch-1 step is weight-bound, so a few more tokens in it cost little) instead of a step of its own.
+Positional state (QSA keys and values, the head's cells) needs nothing: rows past the accepted length are never
+read before they are written again (`model.state`). vLLM's alternative keeps the state after each of the last
+k + 1 positions and picks the accepted one, with no replay; that needs kernels that emit the recurrent state after
+every verified position and k more window rows per layer, where the replay reuses the plain step and the tested
+snapshot. So that replay stays bounded when drafts keep failing, a request whose pending known tokens exceed
+k + 1 gets no drafts for a step (its state is exact again after it): `draft_count`.
+
+Proposal (`propose`, after sampling). The head's cell i needs the trunk's residual R_i and the token x_{i+1}. The
+step returns every token's residual (valid up to the last accepted position of each entry), so each speculating
+request's new cells, from `req.mtp_cells` to the position before its last known token, run through
+`model.draft_step` in one batch (prefill chunks too: their next tokens are known). The last cell of a request that
+just sampled gives draft 1; draft steps j = 1, 2, ... then feed (R_next, d_j) at the next position, one cell per
+request, while the request wants more drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashnext.model.state import make_step
+from flashnext.serve.cache import Snapshot, StateCache
+from flashnext.serve.request import Request
+from flashnext.serve.sampling import target_probs
+from flashnext.serve.stats import EngineStats
+
+
+@dataclass
+class SpecForward:
+    """One speculative model step's outputs and what verification and proposal need of it.
+
+    Attributes:
+        logits: [R, V] the rows of every entry that reached the end of its known tokens: its last known token's,
+            then one per draft.
+        residual: [T, hc*D] every fed token's pre-final-mixer residual (the MTP head's input).
+        cu: host cu_seqlens of the step's entries.
+        cached: per entry, its `num_cached` before the step (its first fed position).
+        first_row: per entry, the row of `logits` of its last known token (None: a prompt chunk that samples
+            nothing).
+        snapshot: window/recurrent state of the slots that carried drafts, taken before the step.
+        valid: per entry, how many of its fed tokens are committed (known tokens + accepted drafts): the residual
+            rows the head may read.
+    """
+
+    logits: torch.Tensor
+    residual: torch.Tensor
+    cu: list[int]
+    cached: list[int]
+    first_row: list[int | None]
+    snapshot: Snapshot | None
+    valid: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    """A verified entry: the emitted tokens (accepted drafts, then the target's next token), how many drafts
+    were accepted, and the emitted tokens' log-probs (None unless requested; `top` a `torch.topk` result with
+    one row per emitted token, or None)."""
+
+    tokens: list[int]
+    accepted: int
+    chosen: list[float] | None = None
+    top: object | None = None
+
+
+class Speculator:
+    """Draft proposal, verification and rollback bookkeeping for an engine whose model has an MTP head.
+
+    Args:
+        model: a `FlashNextForCausalLM` with `mtp` (prepared for serving).
+        cache: the engine's `StateCache` (it holds the head's cells after the trunk's layers).
+        max_model_len: the engine's longest sequence (drafts never reach past it).
+        stats: the engine's `EngineStats` (speculation counters).
+    """
+
+    def __init__(self, model, cache: StateCache, max_model_len: int, stats: EngineStats):
+        self.model, self.cache, self.max_model_len, self.stats = model, cache, max_model_len, stats
+        self.device = next(model.parameters()).device
+
+    # ---- the verify step ------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int]) -> SpecForward:
+        """Run the model step over the plan's stream (drafts appended to their entries), keeping what verification
+        and proposal need. The slots that carry drafts are snapshotted first (see the module doc)."""
+        rows, first = [], []
+        for i, (req, n) in enumerate(plan):
+            if req.num_cached + n == req.num_tokens:  # reaches its last known token: samples (and verifies)
+                first.append(len(rows))
+                rows.extend(range(cu[i + 1] - 1 - len(req.drafts), cu[i + 1]))
+            else:
+                first.append(None)
+        with_drafts = [req.slot for req, _ in plan if req.drafts]
+        snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits, residual = self.model.forward_step(
+            ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True
+        )
+        cached = [req.num_cached for req, _ in plan]
+        return SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan])
+
+    def verify(self, req: Request, out: SpecForward, i: int) -> Verdict | None:
+        """Accept entry i's drafts against the target's logits (see the module doc); None when a row is not
+        finite (the request fails, as a plain row would)."""
+        d = len(req.drafts)
+        rows = out.logits[out.first_row[i] : out.first_row[i] + d + 1].float()
+        if not bool(torch.isfinite(rows).all()):
+            return None
+        maxes, argmax = rows.max(-1)
+        if req.params.greedy:
+            best = argmax.tolist()
+            accepted = next((j for j in range(d) if best[j] != req.drafts[j]), d)
+            tokens = req.drafts[:accepted] + [best[accepted]]
+        else:
+            tokens, accepted = self._accept_sampled(rows, maxes, req)
+        verdict = Verdict(tokens, accepted)
+        if req.params.logprobs is not None:
+            lp = torch.log_softmax(rows[: len(tokens)], dim=-1)
+            verdict.chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+            if req.params.logprobs:
+                verdict.top = torch.topk(lp, req.params.logprobs, dim=-1)
+        return verdict
+
+    def commit(self, req: Request, i: int, n: int, verdict: Verdict, out: SpecForward) -> None:
+        """Keep entry i's accepted drafts: all of them, or roll the slot back to before the step (its windows and
+        recurrent states from the snapshot; `num_cached` back by the `n` known tokens fed) so that the known
+        tokens and the accepted drafts are fed again next step. Counts the verification."""
+        d = len(req.drafts)
+        if verdict.accepted < d:
+            self.cache.restore(out.snapshot, [req.slot])
+            req.num_cached -= n
+        else:
+            req.num_cached += d
+        out.valid[i] = n + verdict.accepted
+        req.drafts = []
+        req.num_drafted += d
+        req.num_accepted += verdict.accepted
+        req.num_verify_steps += 1
+        self.stats.speculation(d, verdict.accepted, 0 if verdict.accepted == d else n + verdict.accepted)
+
+    @staticmethod
+    def _accept_sampled(rows: torch.Tensor, maxes: torch.Tensor, req: Request) -> tuple[list[int], int]:
+        """Rejection sampling of point-mass drafts: (emitted tokens, drafts accepted)."""
+        gen, p = req.generator, req.params
+        for j, draft in enumerate(req.drafts):
+            probs = target_probs(rows[j], maxes[j], p)
+            probs = probs / probs.sum()
+            if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[draft]):
+                continue
+            probs[draft] = 0.0  # rejected: the rest of p, renormalised by multinomial
+            return req.drafts[:j] + [int(torch.multinomial(probs, 1, generator=gen))], j
+        bonus = target_probs(rows[-1], maxes[-1], p)
+        return req.drafts + [int(torch.multinomial(bonus, 1, generator=gen))], len(req.drafts)
+
+    def draft_count(self, req: Request) -> int:
+        """Drafts to propose for the request's next step: its k, at most the tokens it may still produce minus
+        the one the verify step always gives; none while its replay exceeds k + 1 tokens, nor while its n choices
+        wait for its prompt (they fork from the state after the prompt, without drafts)."""
+        if req.num_tokens - req.num_cached > req.spec_k + 1 or req.forks:
+            return 0
+        remaining = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
+        return max(0, min(req.spec_k, remaining - 1))
+
+    # ---- the proposal -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
+        """Feed the head the new cells of every speculating request in `cells` ((request, its entry in the
+        step): a forked choice names its parent's entry) and set `drafts` of those that just sampled."""
+        todo = []  # (request, first new cell, end of new cells, its first residual row)
+        for req, i in cells:
+            if req.finished or req.spec_k == 0:
+                continue
+            start = out.cached[i]
+            lo, hi = req.mtp_cells, min(start + out.valid[i], req.num_tokens - 1)
+            if lo < start:  # cells missing below this step (the head failed before): its drafts would be poor
+                req.spec_k, req.drafts = 0, []
+            elif hi > lo:
+                todo.append((req, lo, hi, out.cu[i] + lo - start))
+        if not todo:
+            return
+        cu, rows, next_ids = [0], [], []
+        for req, lo, hi, r0 in todo:
+            rows.extend(range(r0, r0 + hi - lo))
+            next_ids.extend(req.tokens(lo + 1, hi + 1))
+            cu.append(cu[-1] + hi - lo)
+        step = make_step(cu, [t[0].slot for t in todo], [t[1] for t in todo], self.cache.scratch_slot, self.device)
+        residual = out.residual.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        logits, r_next = self.model.draft_step(residual, self._ids(next_ids), step, self.cache)
+        for req, _, hi, _ in todo:
+            req.mtp_cells = hi
+        want = [self.draft_count(req) if hi == req.num_tokens - 1 else 0 for req, _, hi, _ in todo]
+        live = [j for j, w in enumerate(want) if w > 0]
+        if live:
+            last = torch.tensor([cu[j + 1] - 1 for j in live], dtype=torch.long, device=self.device)
+            self._draft([todo[j][0] for j in live], [want[j] for j in live], logits[live], r_next[last])
+
+    def _draft(self, reqs: list[Request], want: list[int], logits: torch.Tensor, r_last: torch.Tensor) -> None:
+        """Draft 1 from the head's last cells (`logits` [n, V], their R_next `r_last` [n, hc*D]), then chained
+        draft steps, one cell per request still wanting more."""
+        drafts = [[tok] for tok in logits.argmax(-1).tolist()]
+        live = list(range(len(reqs)))
+        for j in range(1, max(want)):
+            keep = [k for k, idx in enumerate(live) if want[idx] > j]
+            live = [live[k] for k in keep]
+            if not keep:
+                break
+            sel = torch.tensor(keep, dtype=torch.long, device=self.device)
+            r_last = r_last.index_select(0, sel)
+            positions = [reqs[idx].num_tokens - 2 + j for idx in live]
+            step = make_step(
+                list(range(len(live) + 1)), [reqs[idx].slot for idx in live], positions, self.cache.scratch_slot,
+                self.device,
+            )  # fmt: skip
+            step_logits, r_last = self.model.draft_step(r_last, self._ids([drafts[idx][-1] for idx in live]), step,
+                                                         self.cache)  # fmt: skip
+            for idx, tok in zip(live, step_logits.argmax(-1).tolist(), strict=True):
+                drafts[idx].append(tok)
+        for req, d in zip(reqs, drafts, strict=True):
+            req.drafts = d
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
