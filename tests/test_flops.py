@@ -3,7 +3,7 @@
 Dense components (projections, MoE routed via the meta gather path, shared expert, router, PLE, hyper, lm_head)
 and the GDN chunk matmuls must match exactly: the analytic formulas are the same matmuls. Three differences are
 by design and checked as exact formulas, not a loose tolerance:
-- the convs and the GDN triangular solve are counted analytically but not by `FlopCounterMode` (`NOT_MATMUL`);
+- the convs are counted analytically but not by `FlopCounterMode` (`NOT_MATMUL`);
 - QSA attention issues QK^T / PV over all `(budget/c + 1) * c` gathered slots per query (masked ones included),
   while the analytic count is over the selected tokens only;
 - the indexer scores every block of its query chunk's range (one chunk here), the analytic count only the blocks

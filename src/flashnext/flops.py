@@ -2,16 +2,17 @@
 
 Conventions: forward only, a multiply-add is 2 FLOPs, `[m, k] @ [k, n]` costs `2 m k n`. Lookups (token and
 n-gram embeddings), norms, activations, RoPE and softmax are not counted (elementwise, as `FlopCounterMode`).
-Two non-matmul terms are counted analytically because they grow like matmuls: the depthwise convs
-(`2 T C K`, term `conv`) and the GDN chunk's unit-triangular solve (`C (C - 1)` per right-hand column, term
-`solve`); `FlopCounterMode` does not see them (the convs run as shifted multiply-adds, the solve is not in its
-registry), so `NOT_MATMUL` names them for comparisons.
+One non-matmul term is counted analytically because it grows like a matmul: the depthwise convs (`2 T C K`, term
+`conv`); `FlopCounterMode` does not see it (the convs run as shifted multiply-adds), so `NOT_MATMUL` names it for
+comparisons.
 
 Components (T tokens, D hidden, hc streams, V vocab; per layer kind):
 - `gdn`: projections `2 T D (2 Hk Dk + 2 Hv Dv + 2 Hv)` + `out_proj`, the conv, and the chunked delta rule as
   `ops.deltanet` runs it: every sequence cut into `C = 64`-token chunks (the last one padded), per chunk and
-  value head `4 C^2 Dk` (`k_beta k^T`, `q k^T`) + `2 C^2 Dv` (intra-chunk mix) + `6 C Dk Dv` (three state
-  products) + the solve. Its cost is linear in T like the recurrence's `~6 T Hv Dk Dv`, with a `C`-sized constant.
+  value head `4 C^2 Dk` (`k_beta k^T`, `q k^T`) + `2 C^2 (Dk + Dv)` (the chunk's `A`, `B`) + `2 C Dk (Dk + Dv)`
+  (`M`, `U`) + `2 Dk^2 Dv` (the scan step) + `2 C Dk Dv` (output), and the solve: the unit-triangular inverse
+  (`ops.deltanet.solve_unit_lower`'s block products) applied to `Dk + Dv` columns. Its cost is linear in T like
+  the recurrence's `~6 T Hv Dk Dv`, with a `C`-sized constant.
 - `qsa_indexer`: `index_qk_proj` and the scores of each query against the complete blocks it can see
   (`2 Hi Di` per block).
 - `qsa_attention`: q (with gate) / k / v / o projections, and QK^T + PV over the selected tokens only:
@@ -40,7 +41,7 @@ COMPONENTS = (
     "hyper",
     "lm_head",
 )
-NOT_MATMUL = ("conv", "solve")
+NOT_MATMUL = ("conv",)
 
 
 def flop_terms(cfg: TextConfig, seq_lens: list[int]) -> dict[str, dict[str, float]]:
@@ -93,12 +94,24 @@ def _gdn_layer(cfg: TextConfig, seq_lens: list[int]) -> dict[str, int]:
     conv_dim = 2 * Hk * Dk + Hv * Dv
     C = CHUNK
     chunks = sum(-(-n // C) for n in seq_lens) * Hv
+    intra = 4 * C * C * Dk + 2 * C * C * (Dk + Dv) + 2 * C * Dk * (Dk + Dv)
     return {
         "proj": 2 * T * D * (conv_dim + Hv * Dv + 2 * Hv) + 2 * T * Hv * Dv * D,
         "conv": 2 * T * conv_dim * cfg.linear_conv_kernel_dim,
-        "chunk": chunks * (4 * C * C * Dk + 2 * C * C * Dv + 6 * C * Dk * Dv),
-        "solve": chunks * C * (C - 1) * (Dk + Dv),
+        "chunk": chunks * (intra + 2 * Dk * Dk * Dv + 2 * C * Dk * Dv),
+        "solve": chunks * (_unit_lower_inverse_flops(C) + 2 * C * C * (Dk + Dv)),
     }
+
+
+def _unit_lower_inverse_flops(C: int) -> int:
+    """Matmul FLOPs of `ops.deltanet`'s C x C unit-triangular inverse: row steps in 16-blocks, then merges."""
+    P = 1 << max(0, (C - 1).bit_length())
+    b = min(16, P)
+    flops = (P // b) * sum(2 * i * i for i in range(1, b))
+    while b < P:
+        flops += (P // (2 * b)) * 2 * (2 * b**3)
+        b *= 2
+    return flops
 
 
 def _qsa_layer(cfg: TextConfig, seq_lens: list[int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -151,8 +164,8 @@ def measure_flops_on_meta(cfg: TextConfig, seq_lens: list[int]) -> dict[str, flo
     ids with a CPU `cu_seqlens`. This counts the matmuls actually issued: on meta the MoE takes its
     per-assignment gather path (same FLOPs as the analytic count), QSA attention multiplies every query against
     its `(budget / c + 1) * c` gathered slots (masked ones included) and the indexer scores every block of its
-    query chunk's range, so those two are upper bounds of the analytic (useful) counts; convs and the
-    triangular solve are not counted (see `NOT_MATMUL`).
+    query chunk's range, so those two are upper bounds of the analytic (useful) counts; the convs are not
+    counted (see `NOT_MATMUL`).
 
     Returns:
         the same keys as `count_flops`, plus `other` (counted FLOPs outside every component; 0 today).

@@ -109,6 +109,25 @@ def test_dispatcher_picks_a_kernel_that_matches_recurrent(cu):
     torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("C", [1, 3, 16, 20, 64], ids=lambda c: f"C{c}")
+def test_unit_lower_solve_matches_solve_triangular(C):
+    """The chunk's batched-matmul solve == LAPACK's unit-triangular solve, forward and backward (fp64)."""
+    from flashnext.ops.deltanet import solve_unit_lower
+
+    g = torch.Generator().manual_seed(C)
+    lower = (torch.randn(4, 3, C, C, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    rhs = torch.randn(4, 3, C, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    x = solve_unit_lower(lower, rhs)  # reads only the strictly lower part of `lower`
+    system = torch.eye(C, dtype=torch.float64) + lower.tril(-1)
+    ref = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((x * w).sum(), (lower, rhs))
+    want = torch.autograd.grad((ref * w).sum(), (lower, rhs))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("cu", [[0, 90], [0, 41, 45, 120]], ids=["one-sequence", "three-sequences"])
 def test_affine_form_equals_a_pass_from_the_first_sequences_state(cu):
     """`gated_delta_rule_affine` (context parallelism): `o0 + resp @ S0` and `A @ S0 + U` equal a pass whose first

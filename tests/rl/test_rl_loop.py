@@ -68,6 +68,15 @@ def test_synchronous_run_metrics_and_resume(tmp_path):
     _assert_same(resumed[3], full[3])
 
 
+def test_sampling_temperature_is_the_trainers(tmp_path):
+    """At rl.temperature 0.7 the engine samples from, and reports log-probs of, softmax(logits / 0.7); the trainer's
+    recomputed log-probs are of the same distribution (not T = 1's), so the mismatch KL stays at fp32 rounding."""
+    hist = _steps(
+        _run(_cfg(tmp_path, "t07", **{"train.steps": 1, "rl.temperature": 0.7, "orchestrator.eval_tasks": 0}))
+    )
+    assert hist[1]["rl/mismatch_kl"] <= 1e-6
+
+
 def test_off_policy_pipeline_resume_and_stale_drop(tmp_path):
     """max_off_policy_steps = 1: step s trains on rollouts of policy s - 2 (step 1: policy 0); the rollouts sampled
     ahead are checkpointed, so a resumed run repeats step 3; resumed with the bound lowered to 0 they are too stale:

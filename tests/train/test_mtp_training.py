@@ -114,3 +114,29 @@ def test_trainer_option_trains_the_head(small_config, tmp_path):
 def test_mtp_weight_without_a_head_is_refused(small_config, tmp_path):
     with pytest.raises(ConfigError, match=r"train\.mtp_loss_weight=0\.5 but the model has no MTP head"):
         _trainer(small_config, tmp_path, "--train.mtp_loss_weight=0.5", mtp_layers=0)
+
+
+def test_chunked_mtp_loss_equals_the_logits_path(small_config):
+    """`return_logits=False` (the trainer's path: the draft head's CE in row chunks, `ops.lm_head`) gives the MTP
+    loss and gradients of the materialised draft logits, to fp32 rounding (different summation order)."""
+    model = FlashNextForCausalLM(parse_config({**small_config, "mtp_num_hidden_layers": 1}).text)
+    model.init_weights(0)
+    ids = torch.randint(0, 64, (21,), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 12, 21], dtype=torch.int32)
+    grads = []
+    for return_logits in (True, False):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, cu_seqlens=cu, labels=ids, return_mtp=True, return_logits=return_logits)
+        assert (out.mtp_logits is None) == (not return_logits)
+        (out.loss + out.mtp_loss).backward()
+        grads.append(
+            (out.mtp_loss.detach(), out.mtp_loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()})
+        )
+    (loss_a, sum_a, ga), (loss_b, sum_b, gb) = grads
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum_b, sum_a, rtol=1e-5, atol=1e-5)
+    assert any(k.startswith("mtp.") and g is not None for k, g in gb.items())
+    for k, g in ga.items():
+        assert (g is None) == (gb[k] is None), k
+        if g is not None:
+            torch.testing.assert_close(gb[k], g, rtol=1e-4, atol=1e-6, msg=k)

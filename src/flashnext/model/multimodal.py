@@ -26,7 +26,7 @@ from flashnext.model.text import (
     CausalLMOutput,
     FlashNextForCausalLM,
     FlashNextTextModel,
-    causal_lm_loss,
+    head_outputs,
     last_token_logits,
 )
 from flashnext.model.vision import VisionModel, grid_list
@@ -144,6 +144,8 @@ class FlashNextForConditionalGeneration(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        logprob_targets: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
@@ -154,7 +156,7 @@ class FlashNextForConditionalGeneration(nn.Module):
                 (`input_ids == image_token_id`) when absent.
             position_ids: `[3, B, S]` / `[3, T]` MRoPE positions (or `[B, S]` / `[T]`); computed with
                 `get_rope_index` when absent.
-            labels, routed_experts: as `FlashNextForCausalLM.forward`.
+            labels, routed_experts, logprob_targets, return_logits: as `FlashNextForCausalLM.forward`.
 
         Raises:
             InputError: as `FlashNextForCausalLM.forward`, plus image inputs of the wrong shape or dtype or whose
@@ -167,6 +169,7 @@ class FlashNextForConditionalGeneration(nn.Module):
             position_ids=position_ids,
             labels=labels,
             mm_token_type_ids=mm_token_type_ids,
+            logprob_targets=logprob_targets,
         )
         ids, seg = inputs.ids, inputs.seg
         FlashNextForCausalLM._check_ids(self, ids)
@@ -176,10 +179,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
         hidden, experts, _ = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
-        logits = self.lm_head(hidden)
-        labels = inputs.per_token["labels"]
-        loss = None if labels is None else causal_lm_loss(logits, labels, seg)
-        return CausalLMOutput(logits=inputs.pad_back(logits), loss=loss, routed_experts=experts)
+        return head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
 
     def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
         """Host-side shape/dtype checks of the image inputs (counts against the placeholders: `embed`)."""

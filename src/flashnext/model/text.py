@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.batch import Segments, flatten_inputs, integer_tensor, next_token_targets
+from flashnext.batch import ModelInputs, Segments, flatten_inputs, integer_tensor, next_token_targets
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.context import ContextShard
@@ -26,21 +26,33 @@ from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
 from flashnext.model.state import StepBatch, StepState, plan_blocks
+from flashnext.ops import lm_head as lm_head_ops
 
 MTP_OWN_HEAD = "mtp.shared_head.head.weight"  # a draft head of its own, when a checkpoint carries one
 
 
 @dataclass
 class CausalLMOutput:
-    """logits: [B, S, V] (padded input) or [T, V] (flat); loss: mean CE over label tokens;
-    routed_experts: int64 [T, L, k] (flat order) when requested; mtp_logits: the MTP head's draft logits (same
-    layout as `logits`; position i predicts token i + 2) and mtp_loss (their mean CE) with `return_mtp=True`."""
+    """A forward's outputs (per-token ones in the caller's layout: [B, S, ...] padded, [T, ...] flat).
 
-    logits: torch.Tensor
+    Attributes:
+        logits: [B, S, V] / [T, V]; None when the forward was asked for losses only (`return_logits=False`).
+        loss: mean next-token CE over label tokens (fp32), with `labels`.
+        routed_experts: int64 [T, L, k] (flat order).
+        loss_sum: the fp32 CE summed over the label tokens (what `loss` averages), with `labels`.
+        logprobs, entropy: fp32 [B, S] / [T], with `logprob_targets`: the log-prob of each row's target and the
+            entropy of the row's distribution.
+    """
+
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
     mtp_logits: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
+    mtp_loss_sum: torch.Tensor | None = None
 
 
 class FlashNextTextModel(nn.Module):
@@ -124,6 +136,8 @@ class FlashNextForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        logprob_targets: torch.Tensor | None = None,
+        return_logits: bool = True,
         return_mtp: bool = False,
         cp: ContextShard | None = None,
     ) -> CausalLMOutput:
@@ -135,6 +149,11 @@ class FlashNextForCausalLM(nn.Module):
             labels: same layout as `input_ids`; the loss predicts `labels[t+1]` from token t within a sequence
                 (-100 = no loss), averaged over all label tokens.
             routed_experts: int [T, L, k] (flat order) to replay the router's expert choice.
+            logprob_targets: same layout as `input_ids`, a vocabulary id per row (already shifted: row t's target
+                is scored by row t's distribution): `out.logprobs` and `out.entropy`.
+            return_logits: False computes the loss / log-probs without materialising the [T, V] logits
+                (`ops.lm_head`, row chunks; `out.logits` is None). The numbers equal the logits path to fp32
+                rounding.
             return_mtp: also run the MTP head over the stream (`mtp_logits`; `mtp_loss` with labels: position t
                 predicts `labels[t+2]` within a sequence). The trunk's outputs are the same either way.
             cp: context parallelism (`flashnext.parallel.context`): the flat ids are this rank's slice of its
@@ -154,29 +173,50 @@ class FlashNextForCausalLM(nn.Module):
                 "with cp, pass flat [T] input_ids, no labels and no return_mtp (targets are formed on the whole stream)"
             )
         inputs = flatten_inputs(
-            input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels
+            input_ids,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            labels=labels,
+            logprob_targets=logprob_targets,
         )
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
         if return_mtp and self.mtp is None:
             raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
         hidden, experts, residual = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
-        logits = self.lm_head(hidden)
-        labels = inputs.per_token["labels"]
-        loss = None if labels is None else causal_lm_loss(logits, labels, inputs.seg)
-        out = CausalLMOutput(logits=inputs.pad_back(logits), loss=loss, routed_experts=experts)
+        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
         if return_mtp:
-            mtp_logits = self.mtp_logits(residual, inputs.ids, inputs.seg)
-            out.mtp_logits = inputs.pad_back(mtp_logits)
-            out.mtp_loss = None if labels is None else mtp_lm_loss(mtp_logits, labels, inputs.seg)
+            self._mtp_outputs(out, residual, inputs, return_logits)
         return out
+
+    def _mtp_outputs(self, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool):
+        """Fill `out.mtp_logits` / `out.mtp_loss` from the trunk's residual [T, hc*D]; without `return_logits`
+        the draft loss comes from the chunked head (`ops.lm_head`) and `mtp_logits` stays None."""
+        y = self.mtp_hidden(residual, inputs.ids, inputs.seg)
+        weight, labels = self.mtp_head_weight(), inputs.per_token["labels"]
+        if return_logits:
+            mtp_logits = F.linear(y, weight)
+            out.mtp_logits = inputs.pad_back(mtp_logits)
+        if labels is None:
+            return
+        tgt = mtp_targets(labels, inputs.seg)
+        if return_logits:
+            out.mtp_loss_sum = F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum")
+        else:
+            out.mtp_loss_sum = lm_head_ops.linear_cross_entropy(y, weight, tgt)
+        out.mtp_loss = out.mtp_loss_sum / (tgt != -100).sum()
 
     def mtp_logits(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The MTP head over a whole stream (training): residual [T, hc*D], ids [T] -> draft logits [T, V]."""
+        return F.linear(self.mtp_hidden(residual, input_ids, seg), self.mtp_head_weight())
+
+    def mtp_hidden(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """The MTP head's final hidden states over a whole stream: residual [T, hc*D], ids [T] -> [T, D]."""
         rope = self.model.rotary(seg.position_ids, residual.dtype)
         embeds = self.model.embed_tokens(mtp_inputs(input_ids, seg))
         _, y = self.mtp(residual, embeds, rope, seg)
-        return F.linear(y, self.mtp_head_weight())
+        return y
 
     def mtp_head_weight(self) -> torch.Tensor:
         """The draft head's LM head: the model's `lm_head` (shared), unless the checkpoint carried its own
@@ -352,7 +392,34 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) ->
     return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()
 
 
-def mtp_lm_loss(mtp_logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Next-next-token CE of the MTP head within each sequence, fp32, averaged over its target tokens."""
-    tgt = mtp_targets(labels, seg)
-    return F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum") / (tgt != -100).sum()
+def head_outputs(
+    lm_head: nn.Linear, hidden: torch.Tensor, inputs: ModelInputs, experts: torch.Tensor, return_logits: bool
+) -> CausalLMOutput:
+    """The LM head's outputs of a forward: logits, and the loss / target log-probs the inputs ask for.
+
+    With `return_logits` the logits [T, V] are materialised and the losses computed from them (the plain path);
+    without, `ops.lm_head` computes them in row chunks (the fast path: no [T, V] tensor; equal to fp32 rounding).
+
+    Args:
+        hidden: [T, D] the final hidden states; inputs: the forward's `ModelInputs` (`labels`,
+            `logprob_targets` in `per_token`); experts: the routed experts to pass through.
+    """
+    labels, targets = inputs.per_token.get("labels"), inputs.per_token.get("logprob_targets")
+    logits = lm_head(hidden) if return_logits else None
+    out = CausalLMOutput(logits=None if logits is None else inputs.pad_back(logits), routed_experts=experts)
+    if labels is not None:
+        nxt = next_token_targets(labels, inputs.seg)
+        if logits is not None:
+            out.loss_sum = F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum")
+        else:
+            out.loss_sum = lm_head_ops.linear_cross_entropy(hidden, lm_head.weight, nxt)
+        out.loss = out.loss_sum / (nxt != -100).sum()
+    if targets is not None:
+        targets = targets.long()
+        if logits is not None:
+            logp = F.log_softmax(logits.float(), dim=-1)
+            lp, entropy = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        else:
+            lp, entropy = lm_head_ops.linear_logprobs(hidden, lm_head.weight, targets)
+        out.logprobs, out.entropy = inputs.pad_back(lp), inputs.pad_back(entropy)
+    return out

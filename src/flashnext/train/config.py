@@ -39,7 +39,8 @@ class ModelSection(BaseModel):
     seed: int = 0
     """Seed of the random initialisation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype."""
+    """Parameter dtype (and of the optimizer states); with `train.compute_dtype = "bfloat16"` keep it `float32`:
+    the parameters are then the fp32 master weights of a bf16-compute run."""
     tokenizer: str | None = None
     """Tokenizer directory (`tokenizer.json` + `tokenizer_config.json`); None: the checkpoint's own when it has
     one, else the bundled tiny tokenizer."""
@@ -124,6 +125,11 @@ class TrainSection(BaseModel):
     """Recompute each decoder layer in backward (non-reentrant) instead of keeping its activations."""
     compile: bool = False
     """torch.compile each decoder layer (packed counts and token totals stay dynamic)."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of forward and backward; `auto` (resolved when the config is read) is `model.dtype`. `bfloat16` with
+    `model.dtype = "float32"`: bf16 compute over fp32 master weights, fp32 gradient accumulation and optimizer
+    states (`train.precision`). Under torchrun on CUDA, FSDP2's mixed precision applies instead (bf16 by
+    default)."""
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N` or `auto` (CUDA when available)."""
     threads: int = Field(0, ge=0)
@@ -206,6 +212,14 @@ class RunConfig(BaseModel):
                 )
             fields = self.optim.model_dump(exclude={"total_steps"})
             self.optim = OptimConfig.model_validate({**fields, "total_steps": self.train.steps})
+        if self.train.compute_dtype == "auto":
+            self.train = self.train.model_copy(update={"compute_dtype": self.model.dtype})
+        if self.train.compute_dtype == "float32" and self.model.dtype == "bfloat16":
+            raise FieldsError(
+                "train.compute_dtype='float32' needs fp32 parameters: set model.dtype='float32' (fp32 throughout) or "
+                "train.compute_dtype='bfloat16'",
+                ("train.compute_dtype", "model.dtype"),
+            )
         if self.checkpoint.resume == "latest" and self.train.overwrite:
             raise FieldsError(
                 "train.overwrite=true deletes the checkpoints that checkpoint.resume='latest' would continue from; "

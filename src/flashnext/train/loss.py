@@ -29,6 +29,14 @@ def _as_segments(seg_or_cu: Segments | torch.Tensor, num_tokens: int, device: to
     return make_segments(seg_or_cu, num_tokens, device=device)
 
 
+def step_mean(total: torch.Tensor, count: int | torch.Tensor, name: str = "num_label_tokens") -> torch.Tensor:
+    """A micro-batch's loss sum divided by the optimizer step's loss-token count (0 when the count is 0).
+
+    What `sft_loss` returns, from a sum computed elsewhere (e.g. the model's chunked `out.loss_sum`).
+    """
+    return _divide(total, count, name)
+
+
 def _divide(total: torch.Tensor, count: int | torch.Tensor, name: str) -> torch.Tensor:
     # A step without loss tokens has a zero sum; dividing by at least 1 keeps it 0 rather than NaN.
     if isinstance(count, torch.Tensor):

@@ -13,6 +13,7 @@ resumed run repeats the uninterrupted run's losses bit for bit on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -36,15 +37,15 @@ from flashnext.train.loss import (
     IGNORE_INDEX,
     count_label_tokens,
     count_mtp_tokens,
-    mtp_loss,
     rl_loss,
-    sft_loss,
     shifted_sft_loss,
+    step_mean,
     token_logprobs,
 )
 from flashnext.train.metrics import MetricsLogger, ProgressBar, measure_peak_flops
 from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
+from flashnext.train.precision import MixedPrecision
 from flashnext.train.setup import (
     DTYPES,
     all_reduce_sum,
@@ -80,6 +81,7 @@ class Trainer:
         self._build_data()
         self._wrap_model()
         self._build_optimizers()
+        self.precision = self._mixed_precision()
         self.step = 0
         self.tokens_seen = 0
         self.peak_flops = None
@@ -139,6 +141,24 @@ class Trainer:
             shard_aware_optimizers(self.optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
         self.schedulers = Schedulers(self.optimizers, self.cfg.optim)
 
+    def _mixed_precision(self) -> MixedPrecision | None:
+        """bf16 compute copies over the fp32 parameters (`train.compute_dtype`), in a single process."""
+        cfg = self.cfg
+        if cfg.train.compute_dtype == cfg.model.dtype:
+            return None  # fp32 throughout, or bf16 parameters throughout
+        if self.ctx.distributed:
+            if self.device.type == "cuda":
+                return None  # FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 sharded masters (`parallelize`)
+            raise ConfigError(
+                "train.compute_dtype='bfloat16' with fp32 parameters is not supported under torchrun on CPU "
+                "(FSDP2's bf16 policy is enabled on CUDA only); use model.dtype='bfloat16' or compute in float32"
+            )
+        return MixedPrecision(self.model, DTYPES[cfg.train.compute_dtype])
+
+    def _compute(self):
+        """The context forward and backward run in: bf16 compute copies under mixed precision, else nothing."""
+        return self.precision.compute() if self.precision is not None else contextlib.nullcontext()
+
     def warn(self, message: str) -> None:
         """A warning line on stderr (rank 0 only)."""
         if self.ctx.is_main:
@@ -182,24 +202,42 @@ class Trainer:
     def _forward_loss(
         self, b: PackedBatch | ContextBatch, num_loss_tokens: float, num_mtp_tokens: float = 0.0
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """(loss, RL metrics, the MTP head's loss or None when `train.mtp_loss_weight` is 0) of one micro-batch."""
+        """(loss, RL metrics, the MTP head's loss or None when `train.mtp_loss_weight` is 0) of one micro-batch.
+
+        The model computes the losses or the target log-probs without materialising the [T, V] logits
+        (`return_logits=False`: the LM heads run in row chunks fused with the loss, `ops.lm_head`).
+        """
         if isinstance(b, ContextBatch):  # (context parallelism is refused with an MTP loss: `_context_group`)
             return (*self._context_forward_loss(b, num_loss_tokens), None)
         dev = self.device
         ids, cu, pos = b.input_ids.to(dev), b.cu_seqlens, b.position_ids.to(dev)
         replay = b.routed_experts.to(dev) if b.routed_experts is not None else None
-        with_mtp = self.cfg.train.mtp_loss_weight > 0
-        mtp_kw = {"return_mtp": True} if with_mtp else {}
-        out = self.model(ids, cu_seqlens=cu, position_ids=pos, routed_experts=replay, **b.image_kwargs(dev), **mtp_kw)
         labels = b.labels.to(dev)
-        mtp = mtp_loss(out.mtp_logits, labels, cu, num_mtp_tokens) if with_mtp else None
+        with_mtp = self.cfg.train.mtp_loss_weight > 0
+        kwargs = dict(cu_seqlens=cu, position_ids=pos, routed_experts=replay, return_logits=False)
+        kwargs.update(b.image_kwargs(dev), **({"return_mtp": True} if with_mtp else {}))
         if self.cfg.train.loss == "sft":
-            return sft_loss(out.logits, labels, cu, num_loss_tokens), {}, mtp
+            out = self.model(ids, labels=labels, **kwargs)
+            return step_mean(out.loss_sum, num_loss_tokens), {}, self._mtp_loss(out, num_mtp_tokens)
         seg = make_segments(cu, ids.shape[0], pos, device=dev)
         targets = next_token_targets(labels, seg, IGNORE_INDEX)
+        mask = targets != IGNORE_INDEX
+        # labels only for the MTP head's targets (the main head then also sums a CE nobody reads: one chunked pass)
+        mtp_labels = {"labels": labels} if with_mtp else {}
         lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
         adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
-        return (*self._rl_loss(out.logits, targets, lp_infer, adv, num_loss_tokens), mtp)
+        if self.cfg.rl.temperature != 1.0:  # the chunked head's log-probs are T = 1's: these go through the logits
+            out = self.model(ids, **mtp_labels, **{**kwargs, "return_logits": True})
+            loss, metrics = self._rl_loss(out.logits, targets, lp_infer, adv, num_loss_tokens)
+            return loss, metrics, self._mtp_loss(out, num_mtp_tokens)
+        out = self.model(ids, logprob_targets=torch.where(mask, targets, 0), **mtp_labels, **kwargs)
+        loss, metrics = rl_loss(out.logprobs, lp_infer, adv, mask, num_loss_tokens, self.cfg.rl, entropy=out.entropy)
+        return loss, metrics, self._mtp_loss(out, num_mtp_tokens)
+
+    def _mtp_loss(self, out, num_mtp_tokens: float) -> torch.Tensor | None:
+        if self.cfg.train.mtp_loss_weight <= 0:
+            return None
+        return step_mean(out.mtp_loss_sum, num_mtp_tokens, "num_mtp_tokens")
 
     def _context_forward_loss(self, b: ContextBatch, num_loss_tokens: float):
         """A CP rank's slice: targets (and RL inputs) were shifted on the whole stream before slicing."""
@@ -249,7 +287,8 @@ class Trainer:
         counts = [self._counts(b) for b in batches]
         local = [float(sum(c[j] for c in counts)) for j in (0, 1, 3)]
         num_loss_tokens, tokens, num_mtp_tokens = all_reduce_sum(self.ctx, local)
-        loss_sum, mtp_sum, rl_sums = self._accumulate(batches, num_loss_tokens, num_mtp_tokens)
+        with self._compute():  # fp32 parameters and gradients again after it (mixed precision)
+            loss_sum, mtp_sum, rl_sums = self._accumulate(batches, num_loss_tokens, num_mtp_tokens)
         t_backward = time.perf_counter()
         params = trainable_params(self.optimizers)
         if self.ctx.distributed:
@@ -452,14 +491,14 @@ class Trainer:
 
     def _announce(self) -> None:
         cfg = self.cfg
-        if cfg.log.peak_flops == "measure":
-            self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.model.dtype])
+        if cfg.log.peak_flops == "measure":  # the GEMM rate of the dtype the matmuls run in
+            self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.train.compute_dtype])
         else:
             self.peak_flops = float(cfg.log.peak_flops)
         n_params = sum(p.numel() for p in self.model.parameters())
         held_out = f", {self.evaluator.num_examples} held out" if self.evaluator else ""
         self.say(
-            f"model: {n_params / 1e6:.2f}M params on {self.device} ({cfg.model.dtype}); "
+            f"model: {n_params / 1e6:.2f}M params on {self.device} ({_precision(cfg)}); "
             f"{len(self.loader.examples)} examples{held_out}, token budget {cfg.data.token_budget} x "
             f"{cfg.data.micro_batches} micro-batches x {self.ctx.world_size} rank(s); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
@@ -494,13 +533,14 @@ class Trainer:
 
     def eval_loss(self) -> float:
         """The held-out loss (mean per loss token over the whole split, the run's loss, no gradient); collective."""
-        return self.evaluator.loss(
-            self.model,
-            self._forward_loss,
-            self.ctx.rank,
-            self.ctx.world_size,
-            lambda values: all_reduce_sum(self.ctx, values),
-        )
+        with self._compute():  # in the run's compute dtype
+            return self.evaluator.loss(
+                self.model,
+                self._forward_loss,
+                self.ctx.rank,
+                self.ctx.world_size,
+                lambda values: all_reduce_sum(self.ctx, values),
+            )
 
     def export(self, path: Path) -> None:
         """The current weights in the official Hugging Face layout (+ the tokenizer files); collective.
@@ -524,6 +564,12 @@ class Trainer:
             if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
                 self.tokenizer.save(tmp)
             run_dir.swap_in(tmp, path)
+
+
+def _precision(cfg: RunConfig) -> str:
+    if cfg.train.compute_dtype == cfg.model.dtype:
+        return cfg.model.dtype
+    return f"{cfg.train.compute_dtype} compute, {cfg.model.dtype} master weights"
 
 
 def _every(step: int, every: int) -> bool:
