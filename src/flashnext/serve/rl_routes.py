@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.errors import FlashNextError
-from flashnext.serve.protocol import error_body
+from flashnext.serve.handlers import Stream, error_response, off_loop
 from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.weight_update import FrameReader, copy_piece, weight_targets
 
@@ -79,10 +79,6 @@ def decode_tensor(d: dict) -> torch.Tensor:
     return t.view(d["shape"])
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, None), status_code=status)
-
-
 class RLRoutes:
     """Handlers of the token-in route and the weight-update routes of one served engine.
 
@@ -100,19 +96,17 @@ class RLRoutes:
         return self.routes.engine
 
     async def generate(self, body: TokenGenerateRequest, request: Request):
-        from flashnext.serve.server import _off_loop, _Stream
-
         if body.model is not None and (bad := self.routes._unknown_model(body.model)) is not None:
             return bad
         rid = "gen-" + uuid.uuid4().hex
-        sink = _Stream(asyncio.get_running_loop())
+        sink = Stream(asyncio.get_running_loop())
         try:
             params = SamplingParams(**body.sampling_params.model_dump(), logprobs=0)
-            req = await _off_loop(
+            req = await off_loop(
                 lambda: self.engine.add_request(body.token_ids, params, rid, sink), lambda: self.engine.abort(rid)
             )
         except FlashNextError as e:
-            return _error(400, str(e), param=getattr(e, "field", None))
+            return error_response(400, str(e), param=getattr(e, "field", None))
         self.routes.loop.wake()
         pending = len(req.choices)
         try:
@@ -126,7 +120,7 @@ class RLRoutes:
         for c in (r.completion(False) for r in req.choices):
             if c.finish_reason in ("error", "abort"):
                 status = 503 if c.finish_reason == "abort" else 500
-                return _error(status, f"choice {c.index} failed: {c.error}", "server_error")
+                return error_response(status, f"choice {c.index} failed: {c.error}", "server_error")
             routed = encode_tensor(c.routed_experts) if c.routed_experts is not None else None
             choices.append({"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs,
                             "finish_reason": c.finish_reason, "routed_experts": routed})  # fmt: skip
@@ -135,17 +129,17 @@ class RLRoutes:
     # ---- weight updates ----------------------------------------------------------------------------------
     def _refuse(self, request: Request) -> JSONResponse | None:
         if self.admin_key is None:
-            return _error(404, "weight updates are disabled: start the server with --admin-key", "not_found")
+            return error_response(404, "weight updates are disabled: start the server with --admin-key", "not_found")
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_key}".encode()):
-            return _error(401, "invalid or missing admin key", "authentication_error")
+            return error_response(401, "invalid or missing admin key", "authentication_error")
         return None
 
     async def begin(self, request: Request, timeout_s: float = 600.0):
         if (refused := self._refuse(request)) is not None:
             return refused
         if self.update is not None and self.routes.loop.paused:
-            return _error(409, f"weight update {self.update['id']} is in progress", "conflict")
+            return error_response(409, f"weight update {self.update['id']} is in progress", "conflict")
         t0 = time.perf_counter()
         await asyncio.to_thread(self.routes.loop.pause, timeout_s)
         self.update = {"id": uuid.uuid4().hex, "tensors": 0, "bytes": 0, "peak": 0}
@@ -153,7 +147,9 @@ class RLRoutes:
 
     def _current(self, update_id: str | None) -> JSONResponse | None:
         if self.update is None or update_id != self.update["id"] or not self.routes.loop.paused:
-            return _error(409, f"no weight update {update_id!r} in progress (begin one first; it may have timed out)")
+            return error_response(
+                409, f"no weight update {update_id!r} in progress (begin one first; it may have timed out)"
+            )
         return None
 
     async def upload(self, request: Request, update_id: str | None = None):
@@ -168,7 +164,7 @@ class RLRoutes:
                     tensors += 1
             reader.close()
         except FlashNextError as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
         self.update["tensors"] += tensors
         self.update["bytes"] += nbytes
         self.update["peak"] = max(self.update["peak"], reader.peak_bytes)

@@ -36,9 +36,10 @@ from flashnext.errors import FlashNextError
 from flashnext.serve import rl_routes
 from flashnext.serve.engine import Engine
 from flashnext.serve.formatting import FAILED_REASONS, Formatter, event, holdback
+from flashnext.serve.handlers import Stream, error_response, off_loop
 from flashnext.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from flashnext.serve.loading import end_of_turn_ids
-from flashnext.serve.protocol import IMAGE_SENTINEL, BadRequest, ChatRequest, CompletionRequest, error_body, show
+from flashnext.serve.protocol import IMAGE_SENTINEL, BadRequest, ChatRequest, CompletionRequest, show
 from flashnext.serve.stats import prometheus_text
 
 log = logging.getLogger("flashnext.serve")
@@ -152,35 +153,8 @@ def log_throughput(engine: Engine) -> None:
     )  # fmt: skip
 
 
-class _Stream:
-    """A request's progress as seen by its handler: (choice index, tokens so far, text, finish reason) snapshots."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def __call__(self, req) -> None:  # engine thread
-        snap = (req.index, len(req.output_ids), req.text, req.finish_reason)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, snap)
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
-
-
 def _bad(e: FlashNextError) -> JSONResponse:
-    return _error(400, str(e), param=getattr(e, "field", None))
-
-
-async def _off_loop(fn: Callable, on_cancel: Callable[[], None]):
-    """`fn()` in a worker thread. If the caller is cancelled, `on_cancel` runs once `fn` has returned (so a
-    request `fn` queued after the client left is still cancelled)."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else on_cancel())
-        raise
+    return error_response(400, str(e), param=getattr(e, "field", None))
 
 
 class Routes:
@@ -213,7 +187,7 @@ class Routes:
         if name == self.model_name:
             return None
         msg = f"model {show(name)} does not exist; this server serves {self.model_name!r}"
-        return _error(404, msg, param="model", code="model_not_found")
+        return error_response(404, msg, param="model", code="model_not_found")
 
     async def completions(self, body: CompletionRequest, request: Request):
         if (bad := self._unknown_model(body.model)) is not None:
@@ -231,7 +205,7 @@ class Routes:
         if (bad := self._unknown_model(body.model)) is not None:
             return bad
         if self.tok is None:
-            return _error(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
+            return error_response(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
         urls: list[str] = []
         try:
             body.refuse_unsupported()
@@ -243,7 +217,7 @@ class Routes:
         queue = lambda rid, sink: self._queue_chat(rid, sink, messages, urls, params, max_tokens)  # noqa: E731
         return await self._serve(request, queue, body.stream, chat=True)
 
-    def _queue_chat(self, rid: str, sink: _Stream, messages, urls, params, max_tokens):
+    def _queue_chat(self, rid: str, sink: Stream, messages, urls, params, max_tokens):
         """Worker thread: render the chat template (images expanded), tokenize, queue the request."""
         kw = {}
         try:
@@ -263,9 +237,9 @@ class Routes:
     async def _serve(self, request: Request, queue: Callable, stream: bool, chat: bool):
         """Queue the request off the event loop, then answer it whole or as an SSE stream."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        sink = _Stream(asyncio.get_running_loop())
+        sink = Stream(asyncio.get_running_loop())
         try:
-            req = await _off_loop(lambda: queue(rid, sink), lambda: self.engine.abort(rid))
+            req = await off_loop(lambda: queue(rid, sink), lambda: self.engine.abort(rid))
         except FlashNextError as e:
             return _bad(e)
         self.loop.wake()
@@ -274,7 +248,7 @@ class Routes:
             return StreamingResponse(self._sse(request, req, sink, fmt), media_type="text/event-stream")
         return await self._whole(req, sink, fmt)
 
-    async def _whole(self, req, sink: _Stream, fmt: Formatter):
+    async def _whole(self, req, sink: Stream, fmt: Formatter):
         """The non-streamed answer: wait for every choice's finish snapshot (not `finished` flags, which run ahead
         of the queue); a failed choice makes the whole response its error."""
         texts, pending = [""] * len(req.choices), len(req.choices)
@@ -292,7 +266,7 @@ class Routes:
             raise
         return fmt.final(texts)
 
-    async def _sse(self, request: Request, req, sink: _Stream, fmt: Formatter) -> AsyncIterator[str]:
+    async def _sse(self, request: Request, req, sink: Stream, fmt: Formatter) -> AsyncIterator[str]:
         """Server-sent events: text deltas per choice (holding back a possible stop-string prefix), then [DONE]."""
         n = len(req.choices)
         sent_tokens, sent_text, done = [0] * n, [""] * n, 0
@@ -333,7 +307,7 @@ def _install_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -
         msg = first.get("msg", "malformed body")
         if "input" in first and first.get("type") != "missing" and where:
             msg += f", got {show(first['input'])}"
-        return _error(
+        return error_response(
             400, f"invalid request: {where}: {msg}" if where else f"invalid request: {msg}", param=where or None
         )
 
@@ -341,7 +315,7 @@ def _install_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -
     async def _auth(request: Request, call_next):
         if api_key and request.url.path.startswith(("/v1/", "/inference/")):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
 
     # outermost: before auth reads anything; a weight upload streams (its handler checks the admin key first)
