@@ -169,7 +169,9 @@ def test_loss_falls_and_export_loads(small_config, tmp_path):
     tr = Trainer(cfg)
     history = tr.run()
     assert history[-1]["loss"] < history[0]["loss"] - 0.1
-    assert all(0 < m["mfu"] < 1 and m["tokens"] > 0 for m in history)
+    # mfu is the achieved rate over the configured peak (1 GFLOP/s here, not a measured one: a fast box exceeds it)
+    for m in history:
+        assert m["tokens"] > 0 and m["mfu"] > 0 and m["mfu"] == pytest.approx(m["model_flops_per_s"] / 1e9)
     reloaded = flashnext.from_pretrained(tmp_path / "run" / "final")
     ids = torch.arange(10) % 64
     # Two model instances: GEMM blocking (hence fp32 summation order) may differ with operand alignment and
