@@ -104,6 +104,13 @@ def test_train_errors_are_one_line_and_status_1(tmp_path, capsys, args, expected
     assert line.startswith("flashnext train: error: ") and expected.replace("TMP", str(tmp_path)) in line
 
 
+def test_rl_errors_are_one_line_naming_rl(tmp_path, capsys):
+    """`flashnext rl` shares the training commands' runner; its error line names its own command."""
+    assert main(["rl", f"--out_dir={tmp_path / 'run'}", "--orchestrator.group_size=0"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("flashnext rl: error: ") and "orchestrator.group_size" in line
+
+
 def test_train_error_through_the_console_entry_has_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "flashnext", "train", f"--resume={tmp_path}", f"--out_dir={tmp_path / 'run'}"],

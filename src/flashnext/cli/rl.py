@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from flashnext.errors import ConfigError, FlashNextError
+from flashnext.errors import ConfigError
 
 USAGE = """usage: flashnext rl [--config RUN.toml] [--inference-url URL] [--resume [latest|DIR] | --overwrite]
                     [--print-config] [--SECTION.FIELD=V ...]
@@ -71,30 +70,16 @@ def warm_start(cfg, say=print) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `flashnext rl`. Every flashnext error ends the run with one line on stderr and status 1."""
-    from flashnext.train.failure import report_fatal
+    from flashnext.cli.train import run_training_command
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, print_config = parse_args(argv)
-        if print_config:
-            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
-            return 0
-        from flashnext.parallel.dist import destroy_distributed, init_distributed
+    def rl(cfg, ctx) -> None:
         from flashnext.rl.loop import RLTrainer
-        from flashnext.train import run_dir
-        from flashnext.train.setup import resolve_device
 
-        run_dir.check_out_dir(cfg.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
-        device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
-        ctx = init_distributed(device=device)
         if cfg.warm_start is not None and not Path(cfg.model.path).exists():
             if ctx.distributed:
                 raise ConfigError(f"model.path={cfg.model.path!r} does not exist: run the warm-start SFT "
                                   f"({cfg.warm_start}) first, in one process")  # fmt: skip
             warm_start(cfg)
         RLTrainer(cfg, ctx).run()
-        destroy_distributed(ctx)
-    except (FlashNextError, OSError, FloatingPointError) as e:
-        report_fatal(str(e))
-        return 1
-    return 0
+
+    return run_training_command(argv, parse_args, rl, "flashnext rl")

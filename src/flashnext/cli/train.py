@@ -66,7 +66,20 @@ def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[Run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `flashnext train` and `python -m flashnext train` (also under torchrun).
+    """Entry point of `flashnext train` and `python -m flashnext train` (also under torchrun)."""
+
+    def train(cfg, ctx) -> None:
+        from flashnext.train.trainer import Trainer
+
+        Trainer(cfg, ctx).run()
+
+    return run_training_command(argv, parse_args, train, "flashnext train")
+
+
+def run_training_command(argv: list[str] | None, parse, run, prog: str) -> int:
+    """The body every training command shares (`flashnext train`, `flashnext rl`): parse the arguments, print the
+    config or check the run directory, start the process group, `run(cfg, ctx)`, end the group. `prog` names the
+    command in error lines.
 
     Every flashnext error (config, data, checkpoint), a missing file and a non-finite loss end the run with one
     line on stderr (once per job under torchrun: `failure.report_fatal`) and exit status 1, no traceback.
@@ -75,24 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg, print_config = parse_args(argv)
+        cfg, print_config = parse(argv)
         if print_config:
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         from flashnext.parallel.dist import destroy_distributed, init_distributed  # the trainer's imports: only here
         from flashnext.train import run_dir
         from flashnext.train.setup import resolve_device
-        from flashnext.train.trainer import Trainer
 
         # before any process-group work, so every rank refuses alike and nobody waits in a rendezvous
         run_dir.check_out_dir(cfg.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
         # under torchrun: one process group over every rank (gloo on CPU, NCCL on CUDA); else a single process
         device = None if cfg.train.device == "auto" else resolve_device(cfg.train.device)
         ctx = init_distributed(device=device)
-        Trainer(cfg, ctx).run()
+        run(cfg, ctx)
         destroy_distributed(ctx)  # not on an error: its barrier would pair with a peer's unrelated collective
     except (FlashNextError, OSError, FloatingPointError) as e:
-        report_fatal(str(e))
+        report_fatal(str(e), prog)
         return 1
     return 0
 
