@@ -28,16 +28,14 @@ import json
 import os
 import time
 import urllib.parse
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from flashnext.errors import FlashNextError
+from flashnext.memory import PeakBytes
 from flashnext.rl.inference import post_json
 from flashnext.serve.weight_update import WeightPiece, encode_piece
 
@@ -74,40 +72,6 @@ def local_pieces(model: nn.Module, full: bool = False) -> Iterator[WeightPiece]:
     if full:
         for name, b in model.named_buffers():
             yield WeightPiece(name, b.detach())
-
-
-class PeakBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages created under the mode and still alive (in-place ops and views add nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.refs: dict[int, list[int]] = {}
-
-    def _release(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.refs[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in inputs and ptr not in self.refs:
-                continue
-            entry = self.refs.setdefault(ptr, [0, t.untyped_storage().nbytes()])
-            if entry[0] == 0:
-                self.live += entry[1]
-                self.peak = max(self.peak, self.live)
-            entry[0] += 1
-            weakref.finalize(t, self._release, ptr)
-        return out
 
 
 def sync_local(model: nn.Module, engine, full: bool = False, version: int | None = None) -> SyncStats:
