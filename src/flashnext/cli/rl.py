@@ -26,6 +26,7 @@ the `reverse` task, everything in this process).
 
 def parse_args(argv: list[str]):
     """`flashnext rl` arguments -> (RL run config, print_config)."""
+    from flashnext.cli.train import flag_value
     from flashnext.cli.train import parse_args as parse_train_args
     from flashnext.rl.config import RLRunConfig
 
@@ -37,12 +38,7 @@ def parse_args(argv: list[str]):
             print(USAGE)
             raise SystemExit(0)
         if arg == "--inference-url" or arg.startswith("--inference-url="):
-            if "=" in arg:
-                url = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                url, i = argv[i + 1], i + 1
-            else:
-                raise ConfigError("--inference-url needs a URL")
+            url, i = flag_value(argv, i, "a URL")
             rest.append(f"--inference.url={json.dumps(url)}")
         else:
             rest.append(arg)

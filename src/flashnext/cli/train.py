@@ -26,6 +26,17 @@ Train on packed sequences as the run config says (defaults: the embedded tiny mo
 """
 
 
+def flag_value(argv: list[str], i: int, what: str) -> tuple[str, int]:
+    """The value of the flag at `argv[i]` (`--flag=V` or `--flag V`) and the index of its last argument;
+    `ConfigError` naming the flag and `what` it needs when the value is missing."""
+    flag, eq, value = argv[i].partition("=")
+    if eq:
+        return value, i
+    if i + 1 < len(argv):
+        return argv[i + 1], i + 1
+    raise ConfigError(f"{flag} needs {what}")
+
+
 def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[RunConfig, bool]:
     """`flashnext train` arguments -> (run config, print_config); `cls`: the config class (`flashnext rl`'s)."""
     from flashnext.train.config import RunConfig, load_run_config
@@ -38,12 +49,7 @@ def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[Run
             print(USAGE)
             raise SystemExit(0)
         if arg == "--config" or arg.startswith("--config="):
-            if "=" in arg:
-                config_path = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                config_path, i = argv[i + 1], i + 1
-            else:
-                raise ConfigError("--config needs a path")
+            config_path, i = flag_value(argv, i, "a path")
         elif arg == "--resume" or arg.startswith("--resume="):
             where = "latest"
             if "=" in arg:
