@@ -48,6 +48,32 @@ def data_offsets(file: str | Path) -> tuple[int, dict[str, dict]]:
     return 8 + n, header
 
 
+def why_unreadable(file: Path, error: Exception) -> str:
+    """Why safetensors refused `file` (the caller names it), in the terms of its layout: a file shorter (or longer) than its header
+    describes gives both sizes; a header that does not parse says so; else the library's own message."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"truncated: {size} bytes, not even the 8-byte header length of a safetensors file"
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                return f"truncated: its header alone needs {8 + n} bytes, the file has {size}"
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        expected = 8 + n + max(ends, default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"not a safetensors file: its header does not parse ({type(error).__name__}: {error})"
+    except OSError as e:
+        return str(e)
+    if size < expected:
+        return f"truncated: its header describes {expected} bytes, the file has {size}"
+    if size > expected:
+        return f"corrupt: its header describes {expected} bytes, the file has {size}"
+    return f"{type(error).__name__}: {error}"
+
+
 def checkpoint_files(path: str | Path) -> tuple[list[Path], dict[str, Path] | None]:
     """The safetensors files of a checkpoint and, for a sharded one, the index's `weight_map`.
 
@@ -98,7 +124,7 @@ def read_headers(files: list[Path], weight_map: dict[str, Path] | None):
                     headers[key] = (file, tuple(sl.get_shape()), sl.get_dtype())
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
             unreadable.add(file)
-            problems.append(f"unreadable file: {file.name} ({type(e).__name__}: {e})")
+            problems.append(f"unreadable file: {file.name} ({why_unreadable(file, e)})")
     lost: set[str] = set()
     for key, file in (weight_map or {}).items():
         if file in unreadable:
