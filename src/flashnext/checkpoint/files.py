@@ -22,6 +22,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
 MAP_BUDGET_BYTES = 32 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 
 # safetensors header dtype -> torch dtype (the ones torch can hold).
 TORCH_DTYPES = {
@@ -42,9 +43,16 @@ def data_offsets(file: str | Path) -> tuple[int, dict[str, dict]]:
 
     `data_offsets` in the header are relative to the data section; the `__metadata__` entry is included as is.
     """
+    size = Path(file).stat().st_size
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or 8 + n > size:  # not a safetensors file (or cut inside its header): never read n bytes
+            raise CheckpointError(f"{file}: {why_unreadable(Path(file), ValueError('bad header length'))}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: {why_unreadable(Path(file), e)}") from None
     return 8 + n, header
 
 
@@ -58,6 +66,8 @@ def why_unreadable(file: Path, error: Exception) -> str:
             if len(head) < 8:
                 return f"truncated: {size} bytes, not even the 8-byte header length of a safetensors file"
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                return f"not a safetensors file: its first 8 bytes give a header of {n} bytes (at most {MAX_HEADER_BYTES})"
             if 8 + n > size:
                 return f"truncated: its header alone needs {8 + n} bytes, the file has {size}"
             header = json.loads(f.read(n))

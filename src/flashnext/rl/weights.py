@@ -144,7 +144,8 @@ class HTTPWeightSync:
     def push(self, update_id: str, pieces: Iterator[WeightPiece]) -> tuple[dict, int]:
         """Stream `pieces` in one chunked POST; returns (the server's reply, this sender's peak extra bytes)."""
         u = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout)
+        connection = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = connection(u.hostname, u.port, timeout=self.timeout)
         peak = [0]
 
         def body():
@@ -160,7 +161,8 @@ class HTTPWeightSync:
 
         try:
             conn.request(
-                "POST", f"/admin/weights/update?update_id={update_id}", body=body(), encode_chunked=True,
+                "POST", f"{u.path.rstrip('/')}/admin/weights/update?update_id={update_id}", body=body(),
+                encode_chunked=True,
                 headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/octet-stream",
                          "Transfer-Encoding": "chunked"},
             )  # fmt: skip
