@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import struct
+import time
 import sys
 import urllib.parse
 from pathlib import Path
@@ -203,3 +204,19 @@ def test_a_payload_frame_header_is_checked_before_its_payload_is_read():
     with pytest.raises(InputError, match="refused"):
         list(reader.feed(frame[: 4 + struct.unpack_from("<I", frame)[0]]))
     assert seen == ["big"] and reader.peak_bytes == 0
+
+
+def test_an_update_whose_pause_timed_out_applies_nothing(served):
+    url, engine, model = served
+    before = _snapshot(model)
+    uid = post_json(f"{url}/admin/weights/begin?timeout_s=0.3", None, KEY, 30)["update_id"]
+    status, _ = _post(url, f"/admin/weights/update?update_id={uid}", _frames(_good_pieces(model)),
+                      ctype="application/octet-stream")  # fmt: skip
+    assert status == 200
+    deadline = time.monotonic() + 30
+    while not engine.admitting:  # the engine loop ends the pause by itself
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status, reply = _post(url, "/admin/weights/end", json.dumps({"update_id": uid}).encode())
+    assert status == 409 and "timed out" in reply["error"]["message"]
+    assert _unchanged(model, before) and engine.weight_version == 0

@@ -144,6 +144,8 @@ class RLRoutes:
     async def begin(self, request: Request, timeout_s: float = 600.0):
         if (refused := self._refuse(request)) is not None:
             return refused
+        if not timeout_s > 0:
+            return error_response(400, f"invalid request: timeout_s must be > 0, got {timeout_s}", param="timeout_s")
         if self.update is not None and self.routes.loop.paused:
             return error_response(409, f"weight update {self.update['id']} is in progress", "conflict")
         t0 = time.perf_counter()
@@ -157,10 +159,15 @@ class RLRoutes:
         if not isinstance(update_id, str) or not update_id:
             return error_response(400, f"update_id is required (the id `begin` returned), got {update_id!r}",
                                   param="update_id")  # fmt: skip
-        if self.update is None or update_id != self.update["id"] or not self.routes.loop.paused:
+        if self.update is not None and update_id == self.update["id"] and not self.routes.loop.paused:
+            self.update["staged"].fail("its pause timed out")  # free what it held: it can never be applied
+            self.update = None
+        if self.update is None or update_id != self.update["id"]:
             return error_response(
                 409, f"no weight update {update_id!r} in progress (begin one first; it may have timed out)"
             )
+        if self.update.get("ending"):
+            return error_response(409, f"weight update {update_id} is being applied", "conflict")
         return None
 
     async def upload(self, request: Request, update_id: str | None = None):
@@ -215,15 +222,17 @@ class RLRoutes:
             return body
         if (stale := self._current(body.get("update_id"))) is not None:
             return stale
-        done, self.update = self.update, None
+        done = self.update
         staged: StagedUpdate = done["staged"]
         if staged.error is not None or staged.readers:
             reason = staged.error or f"{len(staged.readers)} upload(s) still running"
             staged.fail(reason)
+            self.update = None
             self.routes.loop.resume()
             return error_response(409, f"weight update {done['id']} aborted ({reason}): nothing was applied; "
                                        f"serving the unchanged weights, version {self.engine.weight_version}",
                                   "conflict")  # fmt: skip
+        done["ending"] = True  # no upload, second `end` or `begin` while the pieces are copied in
         # Renew the pause for the copy (it may be about to time out): nothing runs while the model changes.
         await asyncio.to_thread(self.routes.loop.pause, 600.0)
         try:
@@ -231,6 +240,7 @@ class RLRoutes:
             version = body.get("weight_version")
             self.engine.weight_version = version if version is not None else self.engine.weight_version + 1
         finally:
+            self.update = None
             self.routes.loop.resume()
         return {"weight_version": self.engine.weight_version, "tensors": tensors, "bytes": nbytes,
                 "peak_extra_bytes": staged.peak_bytes}  # fmt: skip
