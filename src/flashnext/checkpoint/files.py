@@ -57,8 +57,8 @@ def data_offsets(file: str | Path) -> tuple[int, dict[str, dict]]:
 
 
 def why_unreadable(file: Path, error: Exception) -> str:
-    """Why safetensors refused `file` (the caller names it), in the terms of its layout: a file shorter (or longer) than its header
-    describes gives both sizes; a header that does not parse says so; else the library's own message."""
+    """Why safetensors refused `file` (the caller names it), in the terms of its layout: a file shorter (or longer)
+    than its header describes gives both sizes; a header that does not parse says so; else the library's message."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -67,7 +67,7 @@ def why_unreadable(file: Path, error: Exception) -> str:
                 return f"truncated: {size} bytes, not even the 8-byte header length of a safetensors file"
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
-                return f"not a safetensors file: its first 8 bytes give a header of {n} bytes (at most {MAX_HEADER_BYTES})"
+                return f"not a safetensors file: its first 8 bytes give a {n}-byte header (at most {MAX_HEADER_BYTES})"
             if 8 + n > size:
                 return f"truncated: its header alone needs {8 + n} bytes, the file has {size}"
             header = json.loads(f.read(n))

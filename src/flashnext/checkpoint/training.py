@@ -160,7 +160,7 @@ def shape_mismatch(path: str | Path, ours: dict[str, tuple[int, ...]], saved: di
         if k in saved and tuple(saved[k]) != tuple(shape)
     ]
     problems += [f"{k} ({list(ours[k])}) is not in the checkpoint" for k in ours if k not in saved]
-    problems += [f"the checkpoint has {k} ({list(saved[k])}), this run's model does not" for k in saved if k not in ours]
+    problems += [f"the checkpoint has {k} ({list(saved[k])}), this run's model not" for k in saved if k not in ours]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(
