@@ -157,11 +157,14 @@ def prepare_ngram_storage(
         return
 
     files, weight_map = checkpoint_files(path)
-    headers, _, lost = read_headers(files, weight_map)
+    headers, unreadable, lost = read_headers(files, weight_map)
     for our_key, ngram in ngram_tables(model):
         table, problems = inspect_table(our_key, style, headers)
         rows, width = ngram.ngram_embedding.weight.shape
         if storage in ("mmap", "nf4"):  # tables the loader never reads: their problems are raised here
+            if table is None and unreadable:  # its rows may be in a file that cannot be read: name that file
+                raise CheckpointError(f"ngram_storage={storage!r}: cannot read {our_key} from {str(path)!r}",
+                                      unreadable)  # fmt: skip
             if table is None:
                 raise CheckpointError(f"ngram_storage={storage!r}: no n-gram table rows of {our_key} in {str(path)!r}")
             if problems:

@@ -9,6 +9,7 @@ from transformers import Qwen4ExpForCausalLM
 
 import flashnext
 from flashnext.checkpoint import layout
+from flashnext.errors import CheckpointError
 
 CASES = {
     "ple": {},
@@ -65,9 +66,15 @@ def test_sharded_both_ways(tmp_path):
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
     assert_same_tensors(back.state_dict(), ref.state_dict())
 
-    # Saving again unsharded replaces the shard set instead of leaving stale files beside it.
-    model.save_pretrained(tmp_path / "ours")
-    assert [f.name for f in (tmp_path / "ours").glob("*.safetensors")] == ["model.safetensors"]
+    # Saving again is refused (the directory holds a checkpoint); with overwrite=True the directory is replaced
+    # whole: no stale shard or index stays beside the new single file.
+    (tmp_path / "ours" / "notes.txt").write_text("kept by hand")
+    with pytest.raises(CheckpointError, match=r"ours' is not empty.*--overwrite"):
+        model.save_pretrained(tmp_path / "ours")
+    assert len(sorted((tmp_path / "ours").glob("model-*-of-*.safetensors"))) == len(files)  # untouched
+    model.save_pretrained(tmp_path / "ours", overwrite=True)
+    assert sorted(f.name for f in (tmp_path / "ours").iterdir()) == ["config.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".ours.*"))  # no staging or old directory left beside it
     assert not (tmp_path / "ours" / "model.safetensors.index.json").exists()
     assert_same_tensors(ours_with_buffers(flashnext.from_pretrained(tmp_path / "ours")), ref.state_dict())
 

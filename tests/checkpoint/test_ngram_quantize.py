@@ -99,6 +99,35 @@ def test_quantize_cli(tmp_path, bf16_checkpoint, capsys):
     assert "it is F8_E4M3" in capsys.readouterr().err
 
 
+
+def test_quantize_into_a_directory_holding_another_checkpoint(tmp_path, small_config, capsys):
+    """OUT holds a sharded checkpoint of another model; the new one is a single file. Refused without --overwrite
+    (OUT untouched); with it OUT holds exactly the new files and the loader loads the new model (before: the old
+    index stayed beside the new file and the loader read the old model through it)."""
+    src = tmp_path / "src"
+    _model(small_config, seed=0).to(torch.bfloat16).save_pretrained(src)
+    out = tmp_path / "out"
+    old = _model(small_config, seed=7).to(torch.bfloat16)
+    old.save_pretrained(out, max_shard_bytes=sum(t.nbytes for t in old.state_dict().values()) // 2)
+    old_files = sorted(f.name for f in out.iterdir())
+    assert INDEX_FILE in old_files and len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+
+    assert cli_main(["quantize", "--ngram", "fp8", str(src), str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err, err
+    assert sorted(f.name for f in out.iterdir()) == old_files
+
+    assert cli_main(["quantize", "--ngram", "fp8", "--overwrite", str(src), str(out)]) == 0
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith(".")]  # no staging dir left
+    fresh = tmp_path / "fresh"
+    quantize_checkpoint(src, fresh)
+    loaded, expected = flashnext.from_pretrained(out), flashnext.from_pretrained(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), expected.state_dict().values(),
+                                                 strict=True))  # fmt: skip
+    with pytest.raises(CheckpointError, match="must differ from IN.*not contain it"):
+        quantize_checkpoint(src, tmp_path, overwrite=True)  # replacing tmp_path would delete IN
+
 MEMORY_CHILD = textwrap.dedent(
     """
     import json, sys

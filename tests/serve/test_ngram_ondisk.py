@@ -168,3 +168,26 @@ def test_ondisk_rss_stays_within_the_budget(tmp_path, small_config):
     # measured, 7 MiB with no cache at all). A table whose pages stayed resident (a plain memory map), or a cache
     # without a bound, would grow by the whole 128 MB (149 MB measured with a 512 MiB budget).
     assert got["growth"] <= (16 << 20) + (16 << 20), f"RSS grew {got['growth'] / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("storage", ["mmap", "nf4"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_truncated_or_corrupt_table_file_is_named_with_its_sizes(tmp_path, small_config, storage, damage):
+    """The file holding a table's rows, cut short (or its header garbled): the error names the file and, for a
+    short file, the size its header describes and the size it has (before: "no n-gram table rows")."""
+    model = small_model(dict(small_config, split_ngram_parts=3), seed=5)
+    model.save_pretrained(tmp_path / "ck", max_shard_bytes=20_000)
+    files = sorted((tmp_path / "ck").glob("model-*.safetensors"))
+    table_file = next(f for f in files if "ngram_embedding.shard_" in f.read_bytes()[:4096].decode(errors="replace"))
+    size = table_file.stat().st_size
+    if damage == "truncated":
+        with open(table_file, "r+b") as f:
+            f.truncate(size - 100)
+        pattern = rf"{table_file.name}.*truncated.*{size}.*{size - 100}"
+    else:
+        raw = bytearray(table_file.read_bytes())
+        raw[8:16] = b"\x00garbage"  # the JSON header no longer parses
+        table_file.write_bytes(bytes(raw))
+        pattern = rf"{table_file.name}.*(not a safetensors file|header)"
+    with pytest.raises(CheckpointError, match=pattern):
+        flashnext.from_pretrained(tmp_path / "ck", ngram_storage=storage)

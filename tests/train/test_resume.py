@@ -11,6 +11,7 @@ from test_trainer import _config, _overrides, _write_pretokenized
 from flashnext.checkpoint import training
 from flashnext.cli.train import main
 from flashnext.errors import CheckpointError
+from flashnext.train.config import toml_literal
 from flashnext.train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -135,3 +136,36 @@ def test_every_checkpoint_saved_prints_a_line(trained):
     root = base / "run" / "checkpoints"
     assert [line.split(" ")[1] for line in saved] == [str(root / "step_00000002"), str(root / "step_00000004")]
     assert all(re.fullmatch(r"checkpoint: \S+ \(\d+\.\ds\)", line) for line in saved)  # path, seconds
+
+
+def test_resume_into_another_shape_names_the_tensor_and_both_shapes(finished_run, small_config, capsys):
+    """The run's model config changed since the checkpoint (a larger vocabulary): one error line naming the tensor
+    and both shapes (before: torch's uncaught multi-line RuntimeError from `load_state_dict`)."""
+    args, _, root = finished_run
+    wider = dict(small_config, vocab_size=small_config["vocab_size"] + 8)
+    args = [f"--model.overrides={toml_literal(wider)}" if a.startswith("--model.overrides=") else a for a in args]
+    capsys.readouterr()
+    assert main([*args, f"--resume={root / 'step_00000004'}"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    v = small_config["vocab_size"]
+    d = small_config["hidden_size"]
+    assert line.startswith(f"flashnext train: error: cannot resume {root / 'step_00000004'}"), line
+    assert f"model.embed_tokens.weight is [{v}, {d}] in the checkpoint, [{v + 8}, {d}] in this run's model" in line
+
+
+def test_sharded_resume_into_another_shape_names_the_tensor_and_both_shapes(small_config, tmp_path):
+    """The DCP format (one process, no process group): refused before DCP reads, naming the tensor and shapes."""
+    import torch
+
+    from flashnext.build import build_model
+    from flashnext.config import parse_config
+    from flashnext.parallel import load_state, save_state
+
+    small = build_model(parse_config(small_config).text, seed=0)
+    save_state(tmp_path / "ck", small, {}, extra={})
+    wide = build_model(parse_config(dict(small_config, hidden_size=24, head_dim=8)).text, seed=0)
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"cannot resume .*ck.*model\.embed_tokens\.weight is \[64, 16\] in the "
+                                              r"checkpoint, \[64, 24\] in this run's model"):  # fmt: skip
+        load_state(tmp_path / "ck", wide, {})
+    assert all(torch.equal(v, before[k]) for k, v in wide.state_dict().items())

@@ -279,6 +279,15 @@ def test_cli_trains_resumes_and_converts(small_config, tmp_path, capsys):
         if k in state:
             assert torch.equal(v, state[k]), k
     assert os.path.exists(out / "config.json")
+    # a second convert into the now non-empty --out is refused (one line naming it and --overwrite); with
+    # --overwrite the directory is replaced whole: a file that was not part of the conversion is gone
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    capsys.readouterr()
+    assert cli_main(["convert", "--checkpoint", str(ckpt), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err, err
+    assert cli_main(["convert", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "model-00001-of-00002.safetensors").exists() and (out / "model.safetensors").is_file()
 
 
 def test_shipped_run_config_is_valid():

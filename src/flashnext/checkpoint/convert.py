@@ -13,6 +13,7 @@ import torch
 
 from flashnext.checkpoint import layout, training
 from flashnext.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, state_entries, write_checkpoint
+from flashnext.checkpoint.target import check_target, writing
 from flashnext.config import ModelConfig, parse_config
 from flashnext.errors import CheckpointError, ConfigError
 from flashnext.ngram_hash import hash_constants
@@ -30,12 +31,20 @@ def ngram_buffers(cfg: ModelConfig, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def convert_checkpoint(
+    checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False
+) -> Path:
     """Write a single-process training checkpoint's model in the official layout (+ the run's tokenizer files).
 
+    `out` must be absent or empty unless `overwrite`, which replaces it whole (`checkpoint.target`).
+
     Raises:
-        CheckpointError: the checkpoint is unreadable, or holds no model state.
+        CheckpointError: the checkpoint is unreadable, holds no model state, or `out` is not empty.
     """
+    here = Path(checkpoint).resolve()
+    if Path(out).resolve() == here or Path(out).resolve() in here.parents:
+        raise CheckpointError(f"convert: --out {str(out)!r} holds the checkpoint {str(checkpoint)!r}; choose another")
+    check_target(out, overwrite)
     meta = training.load_meta(checkpoint)
     state = training.load(checkpoint).get("model")
     if not isinstance(state, dict) or not state:
@@ -44,9 +53,10 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     style = layout.model_style(state) or layout.TEXT
     prefix = "model.language_model." if style == layout.MULTIMODAL else "model."
     entries = state_entries(state, ngram_buffers(cfg, prefix), {}, style, cfg)
-    out = write_checkpoint(Path(out), entries, cfg, max_shard_bytes)
-    _copy_tokenizer(meta.get("run_config", {}).get("model", {}), out)
-    return out
+    with writing(out, overwrite) as tmp:
+        write_checkpoint(tmp, entries, cfg, max_shard_bytes)
+        _copy_tokenizer(meta.get("run_config", {}).get("model", {}), tmp)
+    return Path(out)
 
 
 def _copy_tokenizer(model_section: dict, out: Path) -> None:

@@ -22,6 +22,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
 MAP_BUDGET_BYTES = 32 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 
 # safetensors header dtype -> torch dtype (the ones torch can hold).
 TORCH_DTYPES = {
@@ -42,10 +43,45 @@ def data_offsets(file: str | Path) -> tuple[int, dict[str, dict]]:
 
     `data_offsets` in the header are relative to the data section; the `__metadata__` entry is included as is.
     """
+    size = Path(file).stat().st_size
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or 8 + n > size:  # not a safetensors file (or cut inside its header): never read n bytes
+            raise CheckpointError(f"{file}: {why_unreadable(Path(file), ValueError('bad header length'))}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: {why_unreadable(Path(file), e)}") from None
     return 8 + n, header
+
+
+def why_unreadable(file: Path, error: Exception) -> str:
+    """Why safetensors refused `file` (the caller names it), in the terms of its layout: a file shorter (or longer)
+    than its header describes gives both sizes; a header that does not parse says so; else the library's message."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"truncated: {size} bytes, not even the 8-byte header length of a safetensors file"
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                return f"not a safetensors file: its first 8 bytes give a {n}-byte header (at most {MAX_HEADER_BYTES})"
+            if 8 + n > size:
+                return f"truncated: its header alone needs {8 + n} bytes, the file has {size}"
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        expected = 8 + n + max(ends, default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"not a safetensors file: its header does not parse ({type(error).__name__}: {error})"
+    except OSError as e:
+        return str(e)
+    if size < expected:
+        return f"truncated: its header describes {expected} bytes, the file has {size}"
+    if size > expected:
+        return f"corrupt: its header describes {expected} bytes, the file has {size}"
+    return f"{type(error).__name__}: {error}"
 
 
 def checkpoint_files(path: str | Path) -> tuple[list[Path], dict[str, Path] | None]:
@@ -98,7 +134,7 @@ def read_headers(files: list[Path], weight_map: dict[str, Path] | None):
                     headers[key] = (file, tuple(sl.get_shape()), sl.get_dtype())
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
             unreadable.add(file)
-            problems.append(f"unreadable file: {file.name} ({type(e).__name__}: {e})")
+            problems.append(f"unreadable file: {file.name} ({why_unreadable(file, e)})")
     lost: set[str] = set()
     for key, file in (weight_map or {}).items():
         if file in unreadable:

@@ -4,7 +4,9 @@ Each table `...ngram_embedding.shard_{j}.weight` (BF16/F16/F32) becomes `F8_E4M3
 `...ngram_embedding.weight_scale` (F32, shape `[]`) per table, `scale = amax / 448` over the whole table (vLLM's
 "one global checkpoint scale" format: the largest value maps to float8_e4m3fn's largest, 448). Every other tensor
 is copied byte for byte; the files keep their names and tensors (the scale goes into the file of the table's first
-shard), the index is rewritten, and every other file of the directory (config, tokenizer) is copied.
+shard), the index is rewritten, and every other file of the directory (config, tokenizer) is copied. OUT must be
+absent or empty unless `overwrite` (`--overwrite`), which replaces it whole (`checkpoint.target`): no file of
+what OUT held before survives beside the new checkpoint.
 
 Streamed: two passes over each table (amax, then quantise) read `PIECE_BYTES` of rows at a time straight from
 the files and write them with `stream_write`, so no table, nor any other tensor, is ever whole in memory (the
@@ -26,6 +28,7 @@ from flashnext.checkpoint.files import INDEX_FILE, TORCH_DTYPES, checkpoint_file
 from flashnext.checkpoint.fp8 import fp8_scale, quantize_fp8
 from flashnext.checkpoint.ngram_tables import scale_key
 from flashnext.checkpoint.stream_write import ITEM_BYTES, Entry, write_safetensors
+from flashnext.checkpoint.target import check_target, writing
 from flashnext.errors import CheckpointError
 
 SCHEMES = ("fp8",)
@@ -77,17 +80,22 @@ def _amax(headers: dict, shards: list[tuple[Path, str]]) -> float:
     return amax
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, *, ngram: str = "fp8") -> dict[str, float]:
+def quantize_checkpoint(
+    src: str | Path, dst: str | Path, *, ngram: str = "fp8", overwrite: bool = False
+) -> dict[str, float]:
     """Write `src` to `dst` with every n-gram table in FP8 (see the module doc); returns `{table prefix: scale}`.
 
     Raises:
-        CheckpointError: an unknown scheme, `dst` equal to `src`, no n-gram table, or a table not in BF16/F16/F32.
+        CheckpointError: an unknown scheme, `dst` equal to (or holding) `src`, `dst` not empty without `overwrite`,
+            no n-gram table, or a table not in BF16/F16/F32.
     """
     if ngram not in SCHEMES:
         raise CheckpointError(f"--ngram {ngram!r}: expected one of {SCHEMES}")
     src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise CheckpointError(f"quantize writes a new checkpoint: OUT must differ from IN ({str(src)!r})")
+    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+        raise CheckpointError(f"quantize writes a new checkpoint: OUT must differ from IN ({str(src)!r}) and not "
+                              "contain it")  # fmt: skip
+    check_target(dst, overwrite)
     files, weight_map = checkpoint_files(src)
     headers = {f: data_offsets(f) for f in files}
     tables = _tables(headers)
@@ -96,7 +104,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, ngram: str = "fp8")
     scales = {pre: fp8_scale(_amax(headers, shards)) for pre, shards in tables.items()}
     scale_file = {pre: shards[0][0] for pre, shards in tables.items()}
     shard_scale = {key: scales[pre] for pre, shards in tables.items() for _, key in shards}
-    dst.mkdir(parents=True, exist_ok=True)
+    with writing(dst, overwrite) as tmp:
+        _write(src, tmp, files, weight_map, headers, scales, scale_file, shard_scale)
+    return scales
+
+
+def _write(src: Path, dst: Path, files, weight_map, headers, scales, scale_file, shard_scale) -> None:
+    """Every file of `src` into the new directory `dst`, the n-gram shards quantised (see the module doc)."""
     new_map: dict[str, str] = {}
     total = 0
     for file in files:
@@ -116,7 +130,6 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, ngram: str = "fp8")
     for other in src.iterdir() if src.is_dir() else []:
         if other.is_file() and other.suffix != ".safetensors" and other.name != INDEX_FILE:
             shutil.copy2(other, dst / other.name)
-    return scales
 
 
 def _entry(file: Path, base: int, key: str, info: dict, scale: float | None) -> Entry:

@@ -21,6 +21,7 @@ from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
 from flashnext.checkpoint.load import HEAD, shares_embedding, ties_embeddings
 from flashnext.checkpoint.ngram_ondisk import ondisk_table_entries
+from flashnext.checkpoint.target import writing
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
 
@@ -125,12 +126,6 @@ def _umask() -> int:
         return mask
 
 
-def _remove_stale(directory: Path, keep: set[str]) -> None:
-    for f in [*directory.glob("model*.safetensors"), directory / INDEX_FILE]:
-        if f.is_file() and f.name not in keep:
-            f.unlink()
-
-
 @torch.no_grad()
 def save_pretrained(
     model: torch.nn.Module,
@@ -138,19 +133,24 @@ def save_pretrained(
     *,
     config: ModelConfig | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model` to `directory` in the official layout (text or composite, as its config says).
 
     Args:
         model: a model whose state_dict follows the reference's in-memory names; its derived n-gram buffers are
             taken from `model.named_buffers()` and `model.extra_tensors` (if any) are written back as they are.
-        directory: output directory (created if needed); older `model*.safetensors`/index files are removed.
+        directory: output directory: absent or empty, else refused unless `overwrite` (`checkpoint.target`).
         config: the checkpoint config; default `model_config_of(model)`. A composite config writes the decoder
             under `model.language_model.*`.
         max_shard_bytes: largest file size before splitting into `model-0000i-of-0000n.safetensors` + index.
+        overwrite: replace a non-empty `directory` whole (written beside it, then swapped in: no old file stays).
 
     Returns:
         The directory.
+
+    Raises:
+        CheckpointError: `directory` is not empty and `overwrite` is False (nothing is written).
     """
     cfg = config or model_config_of(model)
     style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
@@ -158,14 +158,16 @@ def save_pretrained(
     entries = tensor_entries(model, style, cfg) + ondisk_table_entries(
         model, style, cfg.text.split_ngram_parts, directory
     )
-    return write_checkpoint(directory, entries, cfg, max_shard_bytes)
+    with writing(directory, overwrite) as tmp:
+        write_checkpoint(tmp, entries, cfg, max_shard_bytes)
+    return directory
 
 
 def write_checkpoint(
     directory: Path, entries: list[tuple[str, torch.Tensor]], cfg: ModelConfig, max_shard_bytes: int
 ) -> Path:
-    """Write (disk key, tensor) entries as `model.safetensors` or shards + index, and `config.json`; older
-    `model*.safetensors`/index files in `directory` are removed."""
+    """Write (disk key, tensor) entries as `model.safetensors` or shards + index, and `config.json`, into a new
+    (empty) `directory` (`checkpoint.target.writing` gives one)."""
     files = _shard(entries, max_shard_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     names = (
@@ -182,7 +184,6 @@ def write_checkpoint(
         weight_map = {k: name for name, group in zip(names, files, strict=True) for k, _ in group}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _remove_stale(directory, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
     dtype = next((t.dtype for _, t in entries if t.is_floating_point()), torch.float32)
     (directory / "config.json").write_text(json.dumps(config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
     return directory

@@ -147,6 +147,27 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
     return load(path)
 
 
+def shape_mismatch(path: str | Path, ours: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
+    """Refuse to resume `path` into a model of other tensor names or shapes (`{name: shape}` of each side).
+
+    Raises:
+        CheckpointError: one line naming each tensor whose shape differs (both shapes; the first few, and how many
+            more), else the tensors only one side has.
+    """
+    problems = [
+        f"{k} is {list(saved[k])} in the checkpoint, {list(shape)} in this run's model"
+        for k, shape in ours.items()
+        if k in saved and tuple(saved[k]) != tuple(shape)
+    ]
+    problems += [f"{k} ({list(ours[k])}) is not in the checkpoint" for k in ours if k not in saved]
+    problems += [f"the checkpoint has {k} ({list(saved[k])}), this run's model not" for k in saved if k not in ours]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(
+            f"cannot resume {path} into this run's model (another model config?): " + "; ".join(problems[:3]) + more
+        )
+
+
 def set_aside(path: str | Path) -> Path:
     """Rename a bad checkpoint directory `step_N` to `step_N.corrupt[.i]`: no longer listed, resumed or pruned,
     but kept for a look. Returns the new path."""

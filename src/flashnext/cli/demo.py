@@ -95,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
         out_dir = Path(args.out) if args.out else Path(tmp)
         t0 = time.perf_counter()
-        model.save_pretrained(out_dir)
+        model.save_pretrained(out_dir, overwrite=args.overwrite)
         t_save = time.perf_counter() - t0
         t0 = time.perf_counter()
         reloaded = flashnext.from_pretrained(out_dir, dtype=dtype, device=args.device).eval()
@@ -166,6 +166,7 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="save the checkpoint here and keep it (default: a temp dir, deleted after)",
     )
+    add("--overwrite", action="store_true", help="replace a non-empty --out directory whole")
     add("--seed", type=int, default=0, help="seed for the random weights and the demo tokens (default 0)")
     add("--seq-len", type=int, default=64, help="length of the longest of the 3 demo sequences (default 64)")
     add(

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
-from flashnext.checkpoint.training import SHARDED_STATE_FILE
+from flashnext.checkpoint.training import SHARDED_STATE_FILE, shape_mismatch
 from flashnext.errors import CheckpointError
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
@@ -206,6 +206,7 @@ def load_state(directory: str | Path, model: nn.Module, optimizers: dict[str, to
     saved = torch.load(directory / STATE_FILE, weights_only=False)
     with _quiet_dcp():
         dest, states = _load_destinations(directory, saved, model, optimizers)
+        _check_shapes(directory, dest)
         with torch.no_grad():
             dcp.load(dest, checkpoint_id=directory, no_dist=not _distributed())
     names = _names(model)
@@ -224,6 +225,15 @@ def load_state(directory: str | Path, model: nn.Module, optimizers: dict[str, to
             if st:
                 opt.state[p] = st
     return saved["extra"]
+
+
+def _check_shapes(directory: Path, dest: dict) -> None:
+    """A model (or optimizer state) of another shape than the checkpoint's is refused naming the tensor and both
+    (global) shapes, before DCP reads anything."""
+    stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved = {k: tuple(m.size) for k, m in stored.items() if k in dest and hasattr(m, "size")}
+    ours = {k: tuple(t.size()) for k, t in dest.items() if k in saved}
+    shape_mismatch(directory, ours, saved)
 
 
 def _load_destinations(directory: Path, saved: dict, model: nn.Module, optimizers: dict) -> tuple[dict, dict]:

@@ -27,6 +27,7 @@ from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE
 from flashnext.checkpoint.load import HEAD, ties_embeddings
 from flashnext.checkpoint.save import config_dict, model_config_of, write_safetensors
+from flashnext.checkpoint.target import begin_staging, check_target, replace_with, staging_dir
 from flashnext.config import ModelConfig
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
@@ -90,26 +91,35 @@ def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | 
 
 
 @torch.no_grad()
-def export_pretrained(model: nn.Module, directory: str | Path, *, config: ModelConfig | None = None) -> list[Path]:
+def export_pretrained(
+    model: nn.Module, directory: str | Path, *, config: ModelConfig | None = None, overwrite: bool = False
+) -> list[Path]:
     """Write `model` (after `parallelize`, or plain) to `directory` in the official layout; collective.
 
-    Every rank must call it. Parameters are written in their current dtype.
+    Every rank must call it. Parameters are written in their current dtype. The files go to a staging directory
+    beside `directory` which then replaces it whole (`checkpoint.target`).
 
     Args:
         model: a `FlashNextForCausalLM`, possibly FSDP2-sharded with owner-routed n-gram tables.
-        directory: output directory (created; must be visible to every writing rank).
+        directory: output directory (must be visible to every writing rank): absent or empty unless `overwrite`.
         config: the checkpoint config (default: `model.model_config`, else the model's `TextConfig`).
+        overwrite: replace a non-empty `directory` whole.
 
     Returns:
         The files this rank wrote (rank 0: layer/rest files, index, config; table owners: their shards).
+
+    Raises:
+        CheckpointError: on every rank, when `directory` is not empty and `overwrite` is False.
     """
     cfg = config or model_config_of(model)
     style = layout.COMPOSITE if cfg.composite else layout.TEXT
     parts = cfg.text.split_ngram_parts
-    directory = Path(directory)
+    final = Path(directory)
     main = _rank() == 0
-    if main:
-        directory.mkdir(parents=True, exist_ok=True)
+    check_target(final, overwrite)  # every rank: all refuse, or none
+    if dist.is_initialized():
+        dist.barrier()  # every rank looked before rank 0 stages anything
+    directory = begin_staging(final) if main else staging_dir(final)
     if dist.is_initialized():
         dist.barrier()
     tables = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, OwnerRoutedEmbedding)}
@@ -169,4 +179,8 @@ def export_pretrained(model: nn.Module, directory: str | Path, *, config: ModelC
         written += [directory / INDEX_FILE, directory / "config.json"]
     if dist.is_initialized():
         dist.barrier()
-    return written
+    if main:
+        replace_with(directory, final)
+    if dist.is_initialized():
+        dist.barrier()
+    return [final / f.name for f in written]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashnext.errors import FieldsError
 from flashnext.train.config import RunConfig, load_run_config
@@ -91,6 +91,28 @@ class InferenceSection(BaseModel):
     sync_chunk_mb: float = Field(64, gt=0)
     """Across processes: the largest piece of a tensor sent at once (larger tensors and table shards go in row
     pieces), in MiB."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            check_http_url(url)
+        return url
+
+
+def check_http_url(url: str) -> str:
+    """`url` if it is an `http://` or `https://` URL with a host (and a valid port, if any), else a `ValueError`
+    saying what is wrong (`--inference-url` / `inference.url` is checked before anything is built)."""
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = -1
+    if u.scheme not in ("http", "https") or not u.hostname or port == -1 or any(c.isspace() for c in url):
+        raise ValueError("expected a server URL such as http://127.0.0.1:8000 (http or https, a host, a port)")
+    return url
 
 
 class RLRunConfig(RunConfig):

@@ -146,3 +146,5 @@ def post_json(url: str, body: dict | None, key: str | None, timeout: float) -> d
         raise FlashNextError(f"POST {url}: HTTP {e.code}: {detail}") from None
     except urllib.error.URLError as e:
         raise FlashNextError(f"POST {url}: cannot reach the inference server ({e.reason})") from None
+    except ValueError as e:  # not a URL urllib can open (`inference.url` is checked when the config loads)
+        raise FlashNextError(f"POST {url}: {e}") from None

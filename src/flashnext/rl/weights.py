@@ -17,8 +17,15 @@ Across processes (`HTTPWeightSync`, a trainer under torchrun and a separate `fla
 Only trainable tensors travel after the first sync (frozen ones, e.g. a frozen vision tower or frozen n-gram
 tables, cannot have changed); `full=True` sends every parameter and buffer.
 
+An update is all or nothing on the server: every piece is checked (name, rows, dtype) when it arrives and held until
+`end`, which applies them all; a refused piece aborts the update and the server keeps serving its old weights. The
+server refuses a piece of another dtype than its tensor, so the sender converts each piece to the dtype the server's
+`begin` reply lists for it (fp32 master weights to a bf16 server, say). A failed upload on any rank makes every rank
+raise, after rank 0 has ended (aborted) the update so the server resumes at once.
+
 Each sync returns `SyncStats`: seconds, tensors, bytes and the peak extra bytes it allocated (local: measured by an
-allocation hook; HTTP: the largest gathered tensor plus its frame on the sender, and the server's receive buffer).
+allocation hook; HTTP: the largest gathered tensor plus its converted frame on the sender, and on the server every
+byte of the update, held until it is applied).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from torch import nn
 from flashnext.errors import FlashNextError
 from flashnext.memory import PeakBytes
 from flashnext.rl.inference import post_json
-from flashnext.serve.weight_update import WeightPiece, encode_piece
+from flashnext.serve.weight_update import DTYPES, WeightPiece, encode_piece
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -123,9 +130,12 @@ class HTTPWeightSync:
         if not self.key:
             raise FlashNextError("weight sync to a server needs its admin key: set FLASHNEXT_ADMIN_KEY")
         self.chunk_bytes, self.timeout = chunk_bytes, timeout
+        self.dtypes: dict[str, torch.dtype] = {}  # the server's dtype of each tensor, from `begin`
 
     def begin(self) -> str:
-        return post_json(f"{self.url}/admin/weights/begin", None, self.key, self.timeout)["update_id"]
+        reply = post_json(f"{self.url}/admin/weights/begin", None, self.key, self.timeout)
+        self.dtypes = {n: DTYPES[t["dtype"]] for n, t in reply.get("tensors", {}).items() if t["dtype"] in DTYPES}
+        return reply["update_id"]
 
     def end(self, update_id: str, version: int) -> dict:
         body = {"update_id": update_id, "weight_version": version}
@@ -134,21 +144,25 @@ class HTTPWeightSync:
     def push(self, update_id: str, pieces: Iterator[WeightPiece]) -> tuple[dict, int]:
         """Stream `pieces` in one chunked POST; returns (the server's reply, this sender's peak extra bytes)."""
         u = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout)
+        connection = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = connection(u.hostname, u.port, timeout=self.timeout)
         peak = [0]
 
         def body():
             for piece in pieces:
-                header, payload = encode_piece(piece)
-                t = piece.tensor
-                peak[0] = max(peak[0], 2 * t.numel() * t.element_size())  # the tensor and its framed copy
+                t, want = piece.tensor, self.dtypes.get(piece.name)
+                wire = piece._replace(tensor=t.to(want)) if want is not None and t.dtype != want else piece
+                header, payload = encode_piece(wire)
+                nbytes = t.numel() * t.element_size()
+                peak[0] = max(peak[0], nbytes + wire.tensor.numel() * wire.tensor.element_size())  # + its frame
                 yield header
                 if len(payload):
                     yield payload
 
         try:
             conn.request(
-                "POST", f"/admin/weights/update?update_id={update_id}", body=body(), encode_chunked=True,
+                "POST", f"{u.path.rstrip('/')}/admin/weights/update?update_id={update_id}", body=body(),
+                encode_chunked=True,
                 headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/octet-stream",
                          "Transfer-Encoding": "chunked"},
             )  # fmt: skip
@@ -208,20 +222,28 @@ def sync_distributed(model: nn.Module, client: HTTPWeightSync, version: int, ful
     if dist.is_initialized():
         dist.broadcast_object_list(ids, src=0)
     dense, rows = distributed_pieces(model, rank, full, client.chunk_bytes)
-    replies, peak = [], 0
-    with torch.no_grad():
-        if rank == 0:
-            reply, p = client.push(ids[0], dense)
+    replies, peak, errors = [], 0, []
+
+    def push(pieces) -> None:
+        nonlocal peak
+        try:
+            reply, p = client.push(ids[0], pieces)
             replies.append(reply)
             peak = max(peak, p)
+        except FlashNextError as e:
+            errors.append(str(e))
+            for _ in pieces:  # the rest of the gathers, in step with the other ranks
+                pass
+
+    with torch.no_grad():
+        if rank == 0:
+            push(dense)
         else:
             for _ in dense:  # the gathers, in step with rank 0
                 pass
-        reply, p = client.push(ids[0], rows)
-        replies.append(reply)
-        peak = max(peak, p)
+        push(rows)
     local = [sum(r["tensors"] for r in replies), sum(r["bytes"] for r in replies), peak,
-             max(r["peak_extra_bytes"] for r in replies)]  # fmt: skip
+             max((r["peak_extra_bytes"] for r in replies), default=0), float(bool(errors))]  # fmt: skip
     totals = torch.tensor(local, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(totals[:2])
@@ -230,6 +252,14 @@ def sync_distributed(model: nn.Module, client: HTTPWeightSync, version: int, ful
         totals[2:] = peaks
         dist.barrier()  # every rank's rows are in before the update ends
     if rank == 0:
-        client.end(ids[0], version)
+        try:
+            done = client.end(ids[0], version)  # after a failed upload: the server aborts and keeps its weights
+            totals[3] = max(totals[3].item(), done.get("peak_extra_bytes", 0))
+        except FlashNextError as e:
+            errors.append(str(e))
+    if errors or totals[4].item():
+        raise FlashNextError("weight sync failed, the server keeps its previous weights: " +
+                             ("; ".join(errors) if errors else "an upload failed on another rank"))
+    totals = totals[:4]
     tensors, nbytes, peak, server_peak = (int(x) for x in totals.tolist())
     return SyncStats(time.perf_counter() - t0, tensors, nbytes, peak, server_peak)

@@ -8,15 +8,20 @@ do not return:
      "finish_reason", "routed_experts": {"dtype": "uint16", "shape": [tokens, L, k], "data": base64} | null}]}
 A choice that fails makes the answer a 5xx error body, as on the OpenAI routes.
 
-Weight updates (`--admin-key KEY`; without it these routes answer 404; a wrong key 401), see `rl/weights.py`:
-- `POST /admin/weights/begin` -> `{"update_id"}`: stop admitting requests, let the running ones finish on the old
-  weights, park the engine (queued requests wait; none is lost). The pause ends by itself after `timeout_s`
-  (query parameter, default 600) if no `end` comes, so a dead trainer cannot freeze the server;
-- `POST /admin/weights/update?update_id=ID`: a streamed body of `serve.weight_update` frames, each copied into the
-  model as it arrives (several such uploads may run at once: one per trainer rank) -> `{"tensors", "bytes",
-  "peak_extra_bytes"}` (the largest buffer this upload held);
-- `POST /admin/weights/end` `{"update_id", "weight_version"}`: the new weights are in; the engine's weight version
-  is set and serving resumes.
+Weight updates (`--admin-key KEY`; without it these routes answer 404; a wrong key 401; a malformed body or query
+400), see `rl/weights.py`. An update is all or nothing (`serve.weight_update.StagedUpdate`):
+- `POST /admin/weights/begin` -> `{"update_id", "tensors": {name: {"dtype", "shape"}}}` (what every piece must
+  match): stop admitting requests, let the running ones finish on the old weights, park the engine (queued requests
+  wait; none is lost). The pause ends by itself after `timeout_s` (query parameter, default 600) if no `end` comes,
+  so a dead trainer cannot freeze the server; nothing received is applied then;
+- `POST /admin/weights/update?update_id=ID`: a streamed body of `serve.weight_update` frames, each checked (name,
+  rows and shape, dtype) from its header and held until `end` (several such uploads may run at once: one per trainer
+  rank) -> `{"tensors", "bytes", "peak_extra_bytes"}` (what this upload held). A bad piece or a truncated body
+  answers 400 naming it and aborts the update: what was held is dropped, nothing is applied;
+- `POST /admin/weights/end` `{"update_id", "weight_version"}`: apply every held piece, set the engine's weight
+  version and resume serving -> `{"weight_version", "tensors", "bytes", "peak_extra_bytes"}` (the most the update
+  held at once). After an aborted update it applies nothing, resumes serving on the old weights and answers 409
+  saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import json
 import time
 import uuid
 
@@ -35,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flashnext.errors import FlashNextError
 from flashnext.serve.handlers import Stream, error_response, off_loop
 from flashnext.serve.sampling import SamplingParams
-from flashnext.serve.weight_update import FrameReader, copy_piece, weight_targets
+from flashnext.serve.weight_update import StagedUpdate
 
 UPLOAD_PATH = "/admin/weights/update"
 
@@ -138,50 +144,106 @@ class RLRoutes:
     async def begin(self, request: Request, timeout_s: float = 600.0):
         if (refused := self._refuse(request)) is not None:
             return refused
+        if not timeout_s > 0:
+            return error_response(400, f"invalid request: timeout_s must be > 0, got {timeout_s}", param="timeout_s")
         if self.update is not None and self.routes.loop.paused:
             return error_response(409, f"weight update {self.update['id']} is in progress", "conflict")
         t0 = time.perf_counter()
         await asyncio.to_thread(self.routes.loop.pause, timeout_s)
-        self.update = {"id": uuid.uuid4().hex, "tensors": 0, "bytes": 0, "peak": 0}
-        return {"update_id": self.update["id"], "drain_seconds": time.perf_counter() - t0}
+        self.update = {"id": uuid.uuid4().hex, "staged": StagedUpdate(self.engine.model)}
+        manifest = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    for n, t in self.update["staged"].targets.items()}  # fmt: skip
+        return {"update_id": self.update["id"], "drain_seconds": time.perf_counter() - t0, "tensors": manifest}
 
     def _current(self, update_id: str | None) -> JSONResponse | None:
-        if self.update is None or update_id != self.update["id"] or not self.routes.loop.paused:
+        if not isinstance(update_id, str) or not update_id:
+            return error_response(400, f"update_id is required (the id `begin` returned), got {update_id!r}",
+                                  param="update_id")  # fmt: skip
+        if self.update is not None and update_id == self.update["id"] and not self.routes.loop.paused:
+            self.update["staged"].fail("its pause timed out")  # free what it held: it can never be applied
+            self.update = None
+        if self.update is None or update_id != self.update["id"]:
             return error_response(
                 409, f"no weight update {update_id!r} in progress (begin one first; it may have timed out)"
             )
+        if self.update.get("ending"):
+            return error_response(409, f"weight update {update_id} is being applied", "conflict")
         return None
 
     async def upload(self, request: Request, update_id: str | None = None):
         if (refused := self._refuse(request) or self._current(update_id)) is not None:
             return refused
-        targets = weight_targets(self.engine.model)
-        reader, tensors, nbytes = FrameReader(), 0, 0
+        staged: StagedUpdate = self.update["staged"]
+        reader, tensors, nbytes, error = staged.reader(), 0, 0, None
         try:
             async for chunk in request.stream():
-                for piece in reader.feed(chunk):
-                    nbytes += copy_piece(targets, piece)
-                    tensors += 1
-            reader.close()
+                if error is not None:
+                    continue  # read the rest of the body (the sender is still streaming) and drop it
+                try:
+                    for piece in reader.feed(chunk):
+                        staged.keep(piece)
+                        tensors, nbytes = tensors + 1, nbytes + piece.tensor.numel() * piece.tensor.element_size()
+                    staged.note()
+                except FlashNextError as e:
+                    error = str(e)
+            if error is None:
+                reader.close()
         except FlashNextError as e:
-            return error_response(400, str(e))
-        self.update["tensors"] += tensors
-        self.update["bytes"] += nbytes
-        self.update["peak"] = max(self.update["peak"], reader.peak_bytes)
-        return {"tensors": tensors, "bytes": nbytes, "peak_extra_bytes": reader.peak_bytes}
+            error = str(e)
+        except Exception as e:  # the client went away mid-body: what arrived cannot be trusted
+            error = f"upload interrupted: {type(e).__name__}"
+            raise
+        finally:
+            staged.readers.discard(reader)
+            if error is not None:
+                staged.fail(error)
+        if error is not None:
+            return error_response(400, f"{error}; weight update {update_id} aborted: nothing will be applied, "
+                                       "the served weights are unchanged")  # fmt: skip
+        return {"tensors": tensors, "bytes": nbytes, "peak_extra_bytes": nbytes + reader.peak_bytes}
+
+    async def _end_body(self, request: Request) -> dict | JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error_response(400, f"invalid request: the body is not JSON ({e})")
+        if not isinstance(body, dict):
+            return error_response(400, f"invalid request: expected a JSON object, got {type(body).__name__}")
+        version = body.get("weight_version")
+        if version is not None and (type(version) is not int or version < 0):
+            return error_response(400, f"invalid request: weight_version must be a non-negative integer, got "
+                                       f"{version!r}", param="weight_version")  # fmt: skip
+        return body
 
     async def end(self, request: Request):
         if (refused := self._refuse(request)) is not None:
             return refused
-        body = await request.json()
+        if isinstance(body := await self._end_body(request), JSONResponse):
+            return body
         if (stale := self._current(body.get("update_id"))) is not None:
             return stale
-        version = body.get("weight_version")
-        self.engine.weight_version = int(version) if version is not None else self.engine.weight_version + 1
-        done, self.update = self.update, None
-        self.routes.loop.resume()
-        return {"weight_version": self.engine.weight_version, "tensors": done["tensors"], "bytes": done["bytes"],
-                "peak_extra_bytes": done["peak"]}  # fmt: skip
+        done = self.update
+        staged: StagedUpdate = done["staged"]
+        if staged.error is not None or staged.readers:
+            reason = staged.error or f"{len(staged.readers)} upload(s) still running"
+            staged.fail(reason)
+            self.update = None
+            self.routes.loop.resume()
+            return error_response(409, f"weight update {done['id']} aborted ({reason}): nothing was applied; "
+                                       f"serving the unchanged weights, version {self.engine.weight_version}",
+                                  "conflict")  # fmt: skip
+        done["ending"] = True  # no upload, second `end` or `begin` while the pieces are copied in
+        # Renew the pause for the copy (it may be about to time out): nothing runs while the model changes.
+        await asyncio.to_thread(self.routes.loop.pause, 600.0)
+        try:
+            tensors, nbytes = await asyncio.to_thread(staged.apply)
+            version = body.get("weight_version")
+            self.engine.weight_version = version if version is not None else self.engine.weight_version + 1
+        finally:
+            self.update = None
+            self.routes.loop.resume()
+        return {"weight_version": self.engine.weight_version, "tensors": tensors, "bytes": nbytes,
+                "peak_extra_bytes": staged.peak_bytes}  # fmt: skip
 
 
 def install(app, routes, admin_key: str | None) -> RLRoutes:

@@ -332,7 +332,8 @@ def _problem(err: dict, origins: Origins) -> str:
         return f"{prefix}{cause} ({sources})"
     if err["type"] == "extra_forbidden":
         return f"{where}: unknown key ({origins.of(loc)})"
-    return f"{where}: {err['msg']} (got {err.get('input')!r}, {origins.of(loc)})"
+    msg = err["msg"].removeprefix("Value error, ")  # a validator's own message: pydantic's prefix adds nothing
+    return f"{where}: {msg} (got {err.get('input')!r}, {origins.of(loc)})"
 
 
 def load_run_config(
@@ -346,6 +347,8 @@ def load_run_config(
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"run config {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"run config {path} is a directory; --config takes a TOML file") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
     origins = Origins(None if path is None else str(path), copy.deepcopy(data), overrides)

@@ -38,8 +38,10 @@ def check_out_dir(out_dir: str | Path, resume: str | None, overwrite: bool) -> N
 
     Raises:
         ConfigError: naming `out_dir`, what it holds, and the ways on; or when `overwrite` would delete the
-            checkpoint `resume` names.
+            checkpoint `resume` names; or when `out_dir` is a file.
     """
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"out_dir={str(out_dir)!r} is a file; --out_dir takes a directory (created if absent)")
     found = previous_run(out_dir)
     inside = resume not in (None, "latest") and Path(resume).resolve().is_relative_to(Path(out_dir).resolve())
     if overwrite:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from flashnext.config import TextConfig, load_config, parse_config, tiny_config_dict
-from flashnext.errors import ConfigError, InputError
+from flashnext.errors import CheckpointError, ConfigError, InputError
 from flashnext.parallel.dist import DistContext
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, ModelLimits, load_jsonl
@@ -39,10 +39,21 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def check_model_path(path: str) -> None:
+    """`ConfigError` naming `model.path` unless it is a model directory (config.json + weights), saying what it is."""
+    from flashnext.serve.loading import check_model_dir
+
+    try:
+        check_model_dir(Path(path))
+    except CheckpointError as e:
+        raise ConfigError(f"model.path={path!r}: {e}") from None
+
+
 def model_text_config(cfg: RunConfig) -> TextConfig:
     """The text config the run builds (from the checkpoint, the named config, or the embedded tiny default)."""
     section = cfg.model
     if section.path is not None:
+        check_model_path(section.path)
         return load_config(section.path).text
     if section.config == "tiny":
         raw = tiny_config_dict()
@@ -69,6 +80,7 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
     dtype = DTYPES[cfg.model.dtype]
     distributed = ctx is not None and ctx.distributed
     if cfg.model.path is not None:
+        check_model_path(cfg.model.path)
         storage = cfg.model.ngram_storage
         if storage == "auto":  # frozen: as stored (FP8 stays FP8); trainable: in `dtype`, FP8 upcast per shard
             storage = "stored" if cfg.model.freeze_ngram else "dense"

@@ -364,7 +364,9 @@ class Trainer:
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], path: Path | str = "the checkpoint") -> None:
+        ours = {k: tuple(t.shape) for k, t in self.model.state_dict().items()}
+        ckpt.shape_mismatch(path, ours, {k: tuple(t.shape) for k, t in state["model"].items()})
         self.model.load_state_dict(state["model"])
         if set(self.optimizers) != set(state["optimizers"]):
             raise ConfigError(f"checkpoint optimizers {sorted(state['optimizers'])} != run's {sorted(self.optimizers)}")
@@ -407,7 +409,7 @@ class Trainer:
                 "(flashnext convert) and start from the exported weights"
             )
         else:
-            self.load_state_dict(state if state is not None else ckpt.load(path))
+            self.load_state_dict(state if state is not None else ckpt.load(path), path)
 
     def maybe_resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` names (`latest`: the newest readable one, if any).
