@@ -87,15 +87,37 @@ def test_verifiers_training_body_is_answered_with_its_logprobs(server):
     assert choice["routed_experts"] is None  # not asked for (return_routed_experts is false)
 
 
-def test_verifiers_parser_reads_the_answer(server):
-    """verifiers' own response parsing (renderers 0.1.12, what `generate` runs on the reply) accepts it."""
-    client = pytest.importorskip("renderers.client")
-    base, name, _, tok = server
-    reply = _post(base, verifiers_body(name, tok.eos_token_id))
-    data = client.parse_generate_response(reply.content)
-    choice = data["choices"][0]
-    logprobs = client._parse_completion_logprobs(choice, choice["token_ids"])
-    assert len(logprobs) == len(choice["token_ids"])
+def test_verifiers_train_client_end_to_end(server, tmp_path, monkeypatch):
+    """verifiers 0.4.0's own training client, unmodified (`TrainClient.get_response`: its renderer renders the chat
+    with the model's template, posts the body above, parses the reply), against the server."""
+    train = pytest.importorskip("verifiers.v1.clients.train", reason="the verifiers extra is not installed")
+    import asyncio
+
+    import verifiers.v1 as vf
+    from renderers import DefaultRendererConfig
+    from verifiers.v1.dialects import ChatDialect
+
+    base, name, model, tok = server
+    tok.save(tmp_path)  # tokenizer.json + tokenizer_config.json (its chat template): what the renderer loads
+    monkeypatch.setenv("FLASHNEXT_TEST_KEY", "unused")
+    cfg = vf.TrainClientConfig(base_url=f"{base}/v1", api_key_var="FLASHNEXT_TEST_KEY",
+                               renderer=DefaultRendererConfig(), renderer_model_name=str(tmp_path))  # fmt: skip
+    messages = [{"role": "user", "content": "Say sun."}]
+
+    async def one_turn():
+        client = train.TrainClient(cfg)
+        try:
+            return await client.get_response(ChatDialect(), {"model": name, "messages": messages},
+                                             vf.SamplingConfig(temperature=1.0, max_tokens=6))  # fmt: skip
+        finally:
+            await client.close()
+
+    r = asyncio.run(one_turn())
+    prompt, ids = r.tokens.prompt_ids, r.tokens.completion_ids
+    assert prompt == tok.apply_chat_template(messages, add_generation_prompt=True) and 1 <= len(ids) <= 6
+    torch.testing.assert_close(torch.tensor(r.tokens.completion_logprobs), _model_logprobs(model, prompt, ids)[0],
+                               atol=1e-4, rtol=0)  # fmt: skip
+    assert r.finish_reason in ("stop", "length") and r.usage.completion_tokens == len(ids)
 
 
 class _PreferToken:
