@@ -46,7 +46,8 @@ def test_tasks_splits_and_prompt(env):
     assert env.task("train", 7) == env.task("train", 7)
     task = env.task("train", 0)
     answer = env.tasks[task["index"]].data.answer
-    want = f"<|im_start|>system\nOne word.<|im_end|>\n<|im_start|>user\nSay {answer}.<|im_end|>\n<|im_start|>assistant\n"
+    turns = [("system", "One word."), ("user", f"Say {answer}.")]
+    want = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns) + "<|im_start|>assistant\n"
     assert env.prompt(task).ids == env.tokenizer.encode(want)
 
 

@@ -39,11 +39,10 @@ class SayConfig(vf.TasksetConfig):
 
 class SayTaskset(vf.Taskset[SayTask, SayConfig]):
     def load(self) -> list[SayTask]:
-        return [
-            SayTask(SayData(id=f"say-{i}", prompt=f"Say {WORDS[i % len(WORDS)]}.", system_prompt="One word.",
-                            answer=WORDS[i % len(WORDS)]), self.config.task)  # fmt: skip
-            for i in range(self.config.num_tasks)
-        ]
+        words = [WORDS[i % len(WORDS)] for i in range(self.config.num_tasks)]
+        data = [SayData(id=f"say-{i}", prompt=f"Say {w}.", system_prompt="One word.", answer=w)
+                for i, w in enumerate(words)]  # fmt: skip
+        return [SayTask(d, self.config.task) for d in data]
 
 
 __all__ = ["SayTaskset"]
