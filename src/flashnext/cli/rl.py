@@ -8,13 +8,15 @@ from pathlib import Path
 
 from flashnext.errors import ConfigError
 
-USAGE = """usage: flashnext rl [--config RUN.toml] [--inference-url URL] [--resume [latest|DIR] | --overwrite]
-                    [--print-config] [--SECTION.FIELD=V ...]
+USAGE = """usage: flashnext rl [--config RUN.toml] [--env NAME] [--inference-url URL] [--resume [latest|DIR] |
+                    --overwrite] [--print-config] [--SECTION.FIELD=V ...]
 
 RL: rollouts from an inference engine, environment rewards, IPO steps, weight sync (default: the tiny model on
 the `reverse` task, everything in this process).
   --config PATH        TOML run config (sections model, optim, rl, train, checkpoint, log, orchestrator, env,
                        inference; see flashnext/rl/config.py)
+  --env NAME           the environment (env.name): reverse, arith, color, module:Class, or verifiers:NAME (an
+                       installed verifiers taskset; pip install 'flashnext[verifiers]')
   --inference-url URL  sample from a running `flashnext serve --admin-key KEY` (key in $FLASHNEXT_ADMIN_KEY) and
                        send it the new weights (what a torchrun trainer uses)
   --resume [WHERE]     continue from the newest readable checkpoint in <out_dir>/checkpoints, or from WHERE
@@ -40,6 +42,9 @@ def parse_args(argv: list[str]):
         if arg == "--inference-url" or arg.startswith("--inference-url="):
             url, i = flag_value(argv, i, "a URL")
             rest.append(f"--inference.url={json.dumps(url)}")
+        elif arg == "--env" or arg.startswith("--env="):
+            name, i = flag_value(argv, i, "an environment name")
+            rest.append(f"--env.name={json.dumps(name)}")
         else:
             rest.append(arg)
         i += 1

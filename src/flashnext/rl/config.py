@@ -58,8 +58,8 @@ class EnvSection(BaseModel):
     model_config = _STRICT
 
     name: str = "reverse"
-    """A built-in environment (`reverse`, `arith`, `color`) or `module:Class`, a subclass of
-    `flashnext.rl.envs.Environment`."""
+    """A built-in environment (`reverse`, `arith`, `color`), `module:Class` (a subclass of
+    `flashnext.rl.envs.Environment`) or `verifiers:NAME` (an installed verifiers taskset, single-turn)."""
     args: dict[str, Any] = {}
     """Keyword arguments of the environment (e.g. `{min_len = 3, max_len = 8}` for `reverse`)."""
     seed: int = 0

@@ -12,7 +12,7 @@ Built in (no downloads):
 - `color`: a solid-colour image (composite model: through the engine and the vision tower), answer its colour name.
 The prompts use the bundled SFT set's `Q: ...\\nA:` format, so a model warm-started on it answers in the expected
 shape. A user's environment is any subclass named `module:Class` in the run config (`env.name`), built with
-`env.args` as keyword arguments.
+`env.args` as keyword arguments; `verifiers:NAME` is an installed verifiers taskset (`rl/verifiers_env.py`).
 """
 
 from __future__ import annotations
@@ -220,6 +220,10 @@ BUILTIN = {cls.name: cls for cls in (ReverseEnv, ArithEnv, ColorEnv)}
 def load_environment(name: str, args: dict[str, Any] | None = None, **common) -> Environment:
     """A built-in environment by name, or a user's `module:Class` (a subclass of `Environment`), built with
     `args` and `common` (seed, eval_percent, max_tokens) as keyword arguments."""
+    if name.startswith("verifiers:"):  # an installed verifiers taskset (the `verifiers` extra)
+        from flashnext.rl.verifiers_env import VerifiersEnv
+
+        return VerifiersEnv(name.removeprefix("verifiers:"), args, **common)
     if name in BUILTIN:
         cls = BUILTIN[name]
     elif ":" in name:

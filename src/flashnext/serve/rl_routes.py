@@ -2,11 +2,22 @@
 
 `POST /inference/v1/generate` (API key as /v1/*): token ids in, tokens out, with what RL needs and the OpenAI routes
 do not return:
-    {"token_ids": [int], "sampling_params": {"max_tokens", "temperature", "top_k", "top_p", "seed", "n",
-     "stop_token_ids", "ignore_eos", "logprobs_mode": "raw"|"processed", "return_routed_experts": bool}}
- -> {"prompt_token_ids": [...], "weight_version": int, "choices": [{"index", "token_ids", "logprobs": [float],
-     "finish_reason", "routed_experts": {"dtype": "uint16", "shape": [tokens, L, k], "data": base64} | null}]}
-A choice that fails makes the answer a 5xx error body, as on the OpenAI routes.
+    {"token_ids": [int], "model"?, "cache_salt"?, "priority"?: 0,
+     "sampling_params": {"max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop_token_ids", "ignore_eos",
+     "logprobs": null|int, "skip_special_tokens", "logprobs_mode": "raw"|"processed", "return_routed_experts": bool,
+     "routed_experts_prompt_start"?}}
+ -> {"request_id", "prompt_token_ids": [...], "weight_version": int, "usage", "choices": [{"index", "token_ids",
+     "text", "logprobs", "finish_reason", "routed_experts": {"dtype": "uint16", "shape": [tokens, L, k],
+     "data": base64} | null}]}
+`logprobs` in a choice: without `sampling_params.logprobs` (flashnext's own client), the sampled tokens' log-probs as
+a list of floats; with `logprobs: N` (vLLM's token route, which verifiers' training client calls with `logprobs: 1`),
+vLLM's object `{"content": [{"token": "token_id:ID", "logprob", "bytes": null, "top_logprobs": [N entries]}]}`.
+`text` is the completion decoded with `skip_special_tokens` (null on a server without a tokenizer). The vLLM fields
+flashnext has no machinery for (`min_tokens`, `min_p`, the penalties, `priority`) are accepted at their defaults
+only and refused (400 naming the field) otherwise; `reasoning_effort` is refused (it shapes a chat template, and the
+prompt here is already token ids); unknown fields are refused. `cache_salt` is accepted: no prompt state is shared
+between requests here, so every request is already isolated. A choice that fails makes the answer a 5xx error body,
+as on the OpenAI routes.
 
 Weight updates (`--admin-key KEY`; without it these routes answer 404; a wrong key 401; a malformed body or query
 400), see `rl/weights.py`. An update is all or nothing (`serve.weight_update.StagedUpdate`):
@@ -40,13 +51,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.errors import FlashNextError
 from flashnext.serve.handlers import Stream, error_response, off_loop
-from flashnext.serve.sampling import SamplingParams
+from flashnext.serve.sampling import FieldError, SamplingParams
 from flashnext.serve.weight_update import StagedUpdate
 
 UPLOAD_PATH = "/admin/weights/update"
 
 
 class TokenSampling(BaseModel):
+    """`sampling_params` of the token route: flashnext's fields and the vLLM ones its RL clients send."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = 16
@@ -57,16 +70,66 @@ class TokenSampling(BaseModel):
     n: int = 1
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: each choice's `logprobs` is the list of the sampled tokens' log-probs (flashnext's shape); N >= 0:
+    vLLM's `{"content": [...]}` object with the top N alternatives per token."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of each choice's `text` (the token ids are unaffected)."""
     logprobs_mode: str = "raw"
     return_routed_experts: bool = False
+    routed_experts_prompt_start: int | None = None
+    """With `return_routed_experts`: the first position whose experts are returned (a later turn's request sends
+    the length of the conversation it already has the routing of); None: 0."""
+    reasoning_effort: str | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def refuse_unsupported(self) -> None:
+        """Raise `FieldError` naming a field set to a value this server cannot honour."""
+        if self.reasoning_effort is not None:
+            raise FieldError(f"sampling_params.reasoning_effort={self.reasoning_effort!r} shapes a chat template; "
+                             "this route takes rendered token ids (render the effort into the prompt)",
+                             "sampling_params.reasoning_effort")  # fmt: skip
+        for name, default in _DEFAULT_ONLY.items():
+            if (value := getattr(self, name)) != default:
+                raise FieldError(f"sampling_params.{name}={value!r} is not supported by this server (only "
+                                 f"{default!r})", f"sampling_params.{name}")  # fmt: skip
+
+    def engine_params(self) -> SamplingParams:
+        fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop_token_ids", "ignore_eos",
+                  "logprobs_mode", "return_routed_experts")  # fmt: skip
+        # the sampled token's log-prob is always computed (flashnext's shape returns it unasked)
+        return SamplingParams(**{f: getattr(self, f) for f in fields}, logprobs=self.logprobs or 0)
+
+
+_DEFAULT_ONLY = {"min_tokens": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                 "frequency_penalty": 0.0}  # fmt: skip
 
 
 class TokenGenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     token_ids: list[int]
     sampling_params: TokenSampling = TokenSampling()
     model: str | None = None
+    cache_salt: str | None = None
+    """vLLM's prefix-cache isolation key; accepted as is: no request here reuses another's prompt state."""
+    priority: int = 0
+    """vLLM's priority scheduling; only 0 (this server serves first come, first served)."""
+
+
+def vllm_logprobs(token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] | None) -> dict:
+    """vLLM's token-route log-probs: tokens named `token_id:ID` (what `return_tokens_as_token_ids` gives)."""
+
+    def entry(t: int, lp: float) -> dict:
+        return {"token": f"token_id:{t}", "logprob": lp, "bytes": None}
+
+    top = top or [[] for _ in token_ids]
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in zip(token_ids, logprobs, top, strict=True)]}  # fmt: skip
 
 
 def encode_tensor(t: torch.Tensor) -> dict:
@@ -106,8 +169,18 @@ class RLRoutes:
             return bad
         rid = "gen-" + uuid.uuid4().hex
         sink = Stream(asyncio.get_running_loop())
+        sp = body.sampling_params
         try:
-            params = SamplingParams(**body.sampling_params.model_dump(), logprobs=0)
+            sp.refuse_unsupported()
+            if body.priority != 0:
+                raise FieldError(f"priority={body.priority} needs priority scheduling; this server serves first "
+                                 "come, first served (only 0)", "priority")  # fmt: skip
+            start = sp.routed_experts_prompt_start
+            if start is not None and not 0 <= start <= len(body.token_ids):
+                raise FieldError(f"sampling_params.routed_experts_prompt_start must be in [0, "
+                                 f"{len(body.token_ids)}] (the prompt's length), got {start}",
+                                 "sampling_params.routed_experts_prompt_start")  # fmt: skip
+            params = sp.engine_params()
             req = await off_loop(
                 lambda: self.engine.add_request(body.token_ids, params, rid, sink), lambda: self.engine.abort(rid)
             )
@@ -122,15 +195,26 @@ class RLRoutes:
         except asyncio.CancelledError:
             self.engine.abort(rid)
             raise
-        choices = []
-        for c in (r.completion(False) for r in req.choices):
+        choices = [r.completion(False) for r in req.choices]
+        for c in choices:
             if c.finish_reason in ("error", "abort"):
                 status = 503 if c.finish_reason == "abort" else 500
                 return error_response(status, f"choice {c.index} failed: {c.error}", "server_error")
-            routed = encode_tensor(c.routed_experts) if c.routed_experts is not None else None
-            choices.append({"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs,
-                            "finish_reason": c.finish_reason, "routed_experts": routed})  # fmt: skip
-        return {"prompt_token_ids": req.prompt_ids, "weight_version": req.weight_version, "choices": choices}
+        generated = sum(len(c.token_ids) for c in choices)
+        return {"request_id": rid, "prompt_token_ids": req.prompt_ids, "weight_version": req.weight_version,
+                "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
+                          "total_tokens": len(req.prompt_ids) + generated},
+                "choices": [self._choice(c, sp) for c in choices]}  # fmt: skip
+
+    def _choice(self, c, sp: TokenSampling) -> dict:
+        routed = None
+        if c.routed_experts is not None:
+            routed = encode_tensor(c.routed_experts[sp.routed_experts_prompt_start or 0 :])
+        tok = self.engine.tokenizer
+        text = tok.decode(c.token_ids, skip_special_tokens=sp.skip_special_tokens) if tok is not None else None
+        logprobs = c.logprobs if sp.logprobs is None else vllm_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+        return {"index": c.index, "token_ids": c.token_ids, "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "routed_experts": routed}  # fmt: skip
 
     # ---- weight updates ----------------------------------------------------------------------------------
     def _refuse(self, request: Request) -> JSONResponse | None:
