@@ -95,7 +95,7 @@ class RLTrainer(Trainer):
         spec = SamplingSpec(cfg.max_tokens, cfg.rl.temperature, [eos], cfg.orchestrator.router_replay)
         o = cfg.orchestrator
         self.orch = Orchestrator(self.env, self.client, spec, o.batch_size, o.group_size, o.seed, o.std_normalize,
-                                 o.drop_zero_advantage, o.eval_tasks, o.eval_temperature)  # fmt: skip
+                                 o.drop_zero_advantage, o.eval_tasks, o.eval_temperature, o.nan_rewards)  # fmt: skip
         self.pipeline = RolloutPipeline(self.orch, o.max_off_policy_steps)
 
     def _local_engine(self):
