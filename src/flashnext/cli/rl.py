@@ -9,7 +9,7 @@ from pathlib import Path
 from flashnext.errors import ConfigError
 
 USAGE = """usage: flashnext rl [--config RUN.toml] [--inference-url URL] [--resume [latest|DIR] | --overwrite]
-                    [--print-config] [--SECTION.FIELD=V ...]
+                    [--debug] [--print-config] [--SECTION.FIELD=V ...]
 
 RL: rollouts from an inference engine, environment rewards, IPO steps, weight sync (default: the tiny model on
 the `reverse` task, everything in this process).
@@ -19,8 +19,11 @@ the `reverse` task, everything in this process).
                        send it the new weights (what a torchrun trainer uses)
   --resume [WHERE]     continue from the newest readable checkpoint in <out_dir>/checkpoints, or from WHERE
   --overwrite          start over in an out_dir holding a previous run
+  --debug              print an error's traceback (an environment's own, for its errors) before its line
   --print-config       print the resolved config as JSON and exit
   --section.field=V    override one field (e.g. --orchestrator.group_size=8)
+Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint and exits 130/143 (twice: at once); a
+failure inside the loop saves the last completed step first. Both say where; --resume continues.
 """
 
 
@@ -64,9 +67,20 @@ def warm_start(cfg, say=print) -> None:
     Trainer(sft.model_copy(update={"checkpoint": sft.checkpoint.model_copy(update={"resume": resume})})).run()
 
 
+def own_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    """Take `--debug` out of `argv`: (its value, the rest)."""
+    return {"debug": "--debug" in argv}, [a for a in argv if a != "--debug"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `flashnext rl`. Every flashnext error ends the run with one line on stderr and status 1."""
+    """Entry point of `flashnext rl`. Every flashnext error ends the run with one line on stderr and status 1
+    (`--debug`: its traceback first); SIGINT/SIGTERM save a checkpoint and exit 130/143."""
+    import sys
+
     from flashnext.cli.train import run_training_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags, argv = own_flags(argv)
 
     def rl(cfg, ctx) -> None:
         from flashnext.rl.loop import RLTrainer
@@ -78,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
             warm_start(cfg)
         RLTrainer(cfg, ctx).run()
 
-    return run_training_command(argv, parse_args, rl, "flashnext rl")
+    return run_training_command(argv, parse_args, rl, "flashnext rl", flags["debug"])
