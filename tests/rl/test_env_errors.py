@@ -116,6 +116,15 @@ def test_environment_errors_name_the_environment_task_and_cause(fail, rewards, m
 def test_draw_errors_and_the_eval_split_name_the_task():
     with pytest.raises(EnvError, match=r"^environment 'scripted' task eval/4: draw\(\) raised ValueError: no dice$"):
         Scripted(fail="draw").task("eval", 4)
+    with pytest.raises(EnvError, match=r"^environment 'scripted' task train/6: draw\(\) raised ValueError: no dice$"):
+        _orch(Scripted(fail="draw")).rollouts(step=4, policy_step=3)
+
+    class Rows(Scripted):  # a dataset-backed environment overrides `task` itself
+        def task(self, split, index):
+            return [{"i": 0}][index]
+
+    with pytest.raises(EnvError, match=r"^environment 'scripted' task eval/1: task\(\) raised IndexError: list index"):
+        _orch(Rows()).evaluate()
     with pytest.raises(EnvError, match=r"^environment 'scripted' task eval/0: score\(\) raised ValueError"):
         _orch(Scripted(fail="score")).evaluate()
     with pytest.raises(EnvError, match=r"^environment 'scripted' task eval/0: score\(\) returned a NaN reward"):

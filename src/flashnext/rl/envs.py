@@ -14,7 +14,7 @@ The prompts use the bundled SFT set's `Q: ...\\nA:` format, so a model warm-star
 shape. A user's environment is any subclass named `module:Class` in the run config (`env.name`), built with
 `env.args` as keyword arguments.
 
-The orchestrator calls an environment only through `task`, `make_prompt` and `score_completion`: an exception
+The orchestrator calls an environment only through `get_task`, `make_prompt` and `score_completion`: an exception
 raised by the environment's `draw`, `prompt` or `score` becomes one `EnvError` line naming the environment, the task
 (`train/17`: index 17 of the train split) and the exception (the original is its `__cause__`: `flashnext rl
 --debug` prints it), and every reward is checked: a `Score` (built from a real number: `Score("0.5")` is a
@@ -167,6 +167,12 @@ def _where(env: Environment, split: str, index: int) -> str:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text[:300] + "..." if len(text) > 300 else text
+
+
+def get_task(env: Environment, split: str, index: int) -> dict[str, Any]:
+    """`env.task(split, index)`; an exception (of `draw`, or of a subclass's own `task`, e.g. a dataset row
+    lookup) raises `EnvError` naming the task."""
+    return _call(env, split, index, "task", split, index)
 
 
 def make_prompt(env: Environment, split: str, index: int, task: dict[str, Any]) -> Prompt:

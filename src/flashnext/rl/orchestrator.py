@@ -12,10 +12,10 @@ weights). So step s trains on rollouts sampled by policy `max(0, s - 1 - k)`: st
 steps), the same on every run. k = 0 is synchronous. A batch whose staleness exceeds the bound (e.g. a run resumed
 with a smaller k) is dropped and counted, and the step's rollouts are sampled afresh.
 
-The environment is called through `envs.make_prompt` / `envs.score_completion` (errors name the environment and the
-task; rewards are checked). A NaN reward is an error unless `nan_rewards="skip"`: then the sample is left out of its
-group, like a failed completion, and counted (`rollout/nan_rewards` samples, `rollout/nan_groups` groups that lost
-one or more; `reward/eval_nan` in an evaluation), never dropped silently.
+The environment is called through `envs.get_task` / `make_prompt` / `score_completion` (errors name the environment
+and the task; rewards are checked). A NaN reward is an error unless `nan_rewards="skip"`: then the sample is left
+out of its group, like a failed completion, and counted (`rollout/nan_rewards` samples, `rollout/nan_groups` groups
+that lost one or more; `reward/eval_nan` in an evaluation), never dropped silently.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
-from flashnext.rl.envs import Environment, Score, make_prompt, score_completion
+from flashnext.rl.envs import Environment, Score, get_task, make_prompt, score_completion
 from flashnext.rl.inference import GenRequest, SamplingSpec
 from flashnext.rl.rollouts import Sample, assign_advantages
 from flashnext.serve.sampling import choice_seed
@@ -85,7 +85,7 @@ class Orchestrator:
 
     def _sample(self, split: str, indices: list[int], n: int, spec: SamplingSpec, step: int):
         """[(task, [Choice])] for the tasks of `split` at `indices`, n completions each."""
-        tasks = [self.env.task(split, i) for i in indices]
+        tasks = [get_task(self.env, split, i) for i in indices]
         prompts = [make_prompt(self.env, split, i, t) for i, t in zip(indices, tasks, strict=True)]
         reqs = [GenRequest(p, n, self.prompt_seed(step, j)) for j, p in enumerate(prompts)]
         return tasks, reqs, self.client.generate(reqs, spec)
