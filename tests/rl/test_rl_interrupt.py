@@ -68,7 +68,7 @@ def test_exception_in_the_loop_saves_the_last_completed_step_and_resume_continue
     saved = ckpt.step_dir(tmp_path / "crash" / "checkpoints", 2)
     assert info.value.__notes__ == [
         f"saved the checkpoint of step 2 (the last completed) to {saved}; to continue, run the same command with "
-        "--resume"
+        "--resume (without --overwrite)"
     ]
     assert ckpt.list_checkpoints(tmp_path / "crash" / "checkpoints") == [saved]
     resumed = _steps(_run(_cfg(tmp_path, "crash", **fields, **_env(FailAt), **{"checkpoint.resume": "latest"})))
@@ -110,7 +110,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path, capsys):
     saved = ckpt.step_dir(tmp_path / "run" / "checkpoints", 2)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"flashnext rl: stopped by SIGTERM after step 2: checkpoint {saved}; to continue, run the same "
-                       "command with --resume")  # fmt: skip
+                       "command with --resume (without --overwrite)")  # fmt: skip
     assert err[0].startswith("SIGTERM: finishing this step, then saving a checkpoint")
     assert ckpt.list_checkpoints(tmp_path / "run" / "checkpoints") == [saved]
 
@@ -164,8 +164,10 @@ def test_ctrl_c_in_a_subprocess_saves_and_resume_matches_the_uninterrupted_run(t
         proc.kill()
     saved = ckpt.step_dir(tmp_path / "run" / "checkpoints", 3)
     assert proc.returncode == 130, err[-3000:]
-    assert err.strip().splitlines()[-1] == (f"flashnext rl: stopped by SIGINT after step 3: checkpoint {saved}; to "
-                                            "continue, run the same command with --resume")  # fmt: skip
+    assert err.strip().splitlines()[-1] == (
+        f"flashnext rl: stopped by SIGINT after step 3: checkpoint {saved}; to continue, run the same command with "
+        "--resume (without --overwrite)"
+    )
     assert "Traceback" not in err
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

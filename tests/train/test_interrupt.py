@@ -39,7 +39,7 @@ def test_ctrl_c_saves_the_step_and_resume_is_exact(small_config, tmp_path, monke
     saved = training.step_dir(tmp_path / "cut" / "run" / "checkpoints", 3)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"flashnext train: stopped by SIGINT after step 3: checkpoint {saved}; to continue, run the same command "
-        "with --resume"
+        "with --resume (without --overwrite)"
     )
     monkeypatch.setattr(Trainer, "train_step", real)
     rest = Trainer(_config(small_config, tmp_path / "cut", data, "--train.steps=5", "--checkpoint.resume=latest")).run()
@@ -63,7 +63,7 @@ def test_a_nan_loss_leaves_the_weights_and_saves_the_last_good_step(small_config
     saved = training.step_dir(tmp_path / "run" / "checkpoints", 2)
     assert info.value.__notes__ == [
         f"saved the checkpoint of step 2 (the last completed) to {saved}; to continue, run the same command with "
-        "--resume"
+        "--resume (without --overwrite)"
     ]
     state = training.load(saved)
     assert state["step"] == 2 and trainer.step == 2

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from flashnext.train.trainer import Trainer
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-RESUME_HINT = "to continue, run the same command with --resume"
+RESUME_HINT = "to continue, run the same command with --resume (without --overwrite)"
 
 
 class RunInterrupted(FlashNextError):
