@@ -23,7 +23,7 @@ def test_eval_only_scores_the_held_out_split_of_a_checkpoint_and_an_export(tmp_p
     capsys.readouterr()
     assert cli_main(["rl", *_args(tmp_path, "run", **fields), "--eval-only", str(saved), "--eval-tasks", str(N)]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    data = json.loads((tmp_path / "run" / "eval" / f"{saved.name}.json").read_text())
+    data = json.loads((tmp_path / "run" / "eval" / f"checkpoints_{saved.name}.json").read_text())
     rewards = data["rewards"]
     assert data["tasks"] == len(rewards) == N and data["step"] == 1 and data["sampling"] == "greedy"
     assert data["reward_mean"] == pytest.approx(statistics.fmean(rewards), abs=1e-12)
@@ -33,7 +33,7 @@ def test_eval_only_scores_the_held_out_split_of_a_checkpoint_and_an_export(tmp_p
     assert re.fullmatch(
         rf"eval-only: {re.escape(str(saved))} \(env 'reverse', held-out split\): reward {mean:.3f} ± {stderr:.3f} "
         rf"\(mean ± stderr over {N} tasks, {data['distinct_tasks']} distinct, greedy\); exact [0-9.]+ ± [0-9.]+; "
-        rf"metrics in {re.escape(str(tmp_path / 'run' / 'eval' / saved.name))}\.json",
+        rf"metrics in {re.escape(str(tmp_path / 'run' / 'eval' / f'checkpoints_{saved.name}'))}\.json",
         line,
     ), line
     # The run's own last evaluation scored these tasks greedily with these weights, but in another engine instance:
@@ -43,6 +43,16 @@ def test_eval_only_scores_the_held_out_split_of_a_checkpoint_and_an_export(tmp_p
                      f"--eval-tasks={N}"]) == 0  # fmt: skip
     exported = json.loads((tmp_path / "run" / "eval" / "final.json").read_text())
     assert exported["step"] is None and abs(exported["reward_mean"] - mean) <= 1 / N  # the same weights, exported
+
+
+def test_results_of_two_checkpoints_never_share_a_file(tmp_path):
+    from flashnext.rl.evaluate import _name
+
+    out = tmp_path / "runs" / "tiny-rl"
+    assert _name(out / "checkpoints" / "step_00000120", out) == "checkpoints_step_00000120"
+    assert _name(out / "final", out) == "final"
+    assert _name(tmp_path / "runs" / "tiny-sft" / "final", out) == "_".join((*tmp_path.parts[1:], "runs", "tiny-sft",
+                                                                             "final"))  # fmt: skip
 
 
 @pytest.mark.parametrize(

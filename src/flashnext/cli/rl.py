@@ -21,7 +21,7 @@ the `reverse` task, everything in this process).
   --overwrite          start over in an out_dir holding a previous run
   --eval-only CKPT     no training: score the held-out split with CKPT's weights (a checkpoints/step_N or an
                        exported final/), one completion per task at orchestrator.eval_temperature; prints mean ±
-                       stderr, writes <out_dir>/eval/<CKPT name>.json (pass the run's --config)
+                       stderr, writes <out_dir>/eval/<CKPT path>.json (pass the run's --config)
   --eval-tasks N       held-out tasks of --eval-only (default 512: stderr <= 0.022 for rewards in [0, 1])
   --debug              print an error's traceback (an environment's own, for its errors) before its line
   --print-config       print the resolved config as JSON and exit

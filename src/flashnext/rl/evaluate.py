@@ -61,7 +61,7 @@ def _run_config(cfg: RLRunConfig, path: Path, tasks: int) -> tuple[RLRunConfig, 
 def evaluate_checkpoint(cfg: RLRunConfig, checkpoint: str | Path, tasks: int = DEFAULT_TASKS, say=print,
                         warn=print) -> dict[str, Any]:  # fmt: skip
     """Score `tasks` held-out tasks with the weights of `checkpoint` (see the module doc); print one line, write
-    `<out_dir>/eval/<checkpoint name>.json` and return what it holds."""
+    `<out_dir>/eval/<checkpoint's path>.json` (`_name`) and return what it holds."""
     from flashnext.rl.loop import RLTrainer
 
     if tasks < 2:
@@ -82,7 +82,7 @@ def evaluate_checkpoint(cfg: RLRunConfig, checkpoint: str | Path, tasks: int = D
     trainer.sync_weights(full=True)
     drawn, scores = trainer.orch.eval_scores(tasks)
     out = _report(cfg, path, step, drawn, scores, len({trainer.env.key(t) for t in drawn}))
-    dest = Path(cfg.out_dir) / "eval" / f"{path.resolve().name}.json"
+    dest = Path(cfg.out_dir) / "eval" / f"{_name(path, Path(cfg.out_dir))}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
@@ -93,6 +93,14 @@ def evaluate_checkpoint(cfg: RLRunConfig, checkpoint: str | Path, tasks: int = D
         f"{out['reward_stderr']:.3f} (mean ± stderr over {tasks} tasks, {out['distinct_tasks']} distinct, "
         f"{out['sampling']}{nan}){extra}; metrics in {dest}")  # fmt: skip
     return out
+
+
+def _name(path: Path, out_dir: Path) -> str:
+    """A file name for `path`'s results: its path inside `out_dir` (`checkpoints_step_00000120`, `final`), else its
+    absolute path (`tmp_runs_tiny-sft_final`), `/` -> `_`: two checkpoints never share one."""
+    path, out_dir = path.resolve(), out_dir.resolve()
+    rel = path.relative_to(out_dir) if path.is_relative_to(out_dir) and path != out_dir else path
+    return "_".join(p for p in rel.parts if p.strip("/"))
 
 
 def _report(cfg: RLRunConfig, path: Path, step, drawn: list, scores: list[Score], distinct: int) -> dict[str, Any]:
