@@ -43,6 +43,9 @@ def test_eval_only_scores_the_held_out_split_of_a_checkpoint_and_an_export(tmp_p
                      f"--eval-tasks={N}"]) == 0  # fmt: skip
     exported = json.loads((tmp_path / "run" / "eval" / "final.json").read_text())
     assert exported["step"] is None and abs(exported["reward_mean"] - mean) <= 1 / N  # the same weights, exported
+    capsys.readouterr()
+    assert cli_main(["rl", *_args(tmp_path, "run", **fields), "--env.seed=7", "--eval-only", str(saved)]) == 0
+    assert capsys.readouterr().err.startswith(f"flashnext rl: warning: {saved} was trained on env {{")
 
 
 def test_results_of_two_checkpoints_never_share_a_file(tmp_path):
