@@ -23,6 +23,8 @@ Train on packed sequences as the run config says (defaults: the embedded tiny mo
                        final/ and plots/ first (train.overwrite=true); without it such an out_dir is refused
   --print-config       print the resolved config as JSON and exit
   --section.field=V    override one field; V is a TOML literal or a bare string (e.g. --train.steps=20)
+Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint and exits 130/143 (twice: at once); a
+failure inside the loop saves the last completed step first. Both say where; --resume continues.
 """
 
 
