@@ -107,3 +107,37 @@ def test_torchrun_rl_metrics_are_global(small_config, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
         for k in rl_keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+
+
+def test_torchrun_ranks_agree_to_stop_when_one_is_signalled(small_config, tmp_path):
+    """SIGTERM to rank 1 alone: the flag is all-reduced between steps, so both ranks stop after the same step and
+    write its sharded checkpoint together (a rank that stopped alone would leave the other in a collective)."""
+    import signal
+    import time
+
+    data = _data(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "flashnext", "train", f"--data.path={data}",
+           "--data.token_budget=48", "--log.progress=false", "--log.peak_flops=1e9", "--train.steps=100000",
+           "--checkpoint.export=false", "--model.overrides=" + toml_literal(small_config),
+           f"--out_dir={out}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never took two steps"
+            time.sleep(0.1)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = {p: open(f"/proc/{p}/environ", "rb").read().split(b"\0") for p in workers}  # exact entries
+        (rank1,) = [int(p) for p, env in ranks.items() if b"RANK=1" in env]
+        os.kill(rank1, signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0  # torchrun reports its workers' status 143 as a failure
+    last = _metrics(out)[-1]["step"]
+    saved = out / "checkpoints" / f"step_{last:08d}"
+    assert json.loads((saved / "meta.json").read_text())["world_size"] == 2, err[-3000:]
+    assert f"flashnext train: stopped by SIGTERM after step {last}: checkpoint {saved}" in err

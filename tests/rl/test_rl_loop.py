@@ -21,7 +21,8 @@ SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "layer_types": ["linear_atte
 TIMING = ("seconds", "per_s", "time", "flops")
 
 
-def _cfg(tmp_path, name="run", **fields):
+def _fields(tmp_path, name="run", **fields) -> dict:
+    """The run config fields of a small RL run in `tmp_path / name` (`fields` added or replaced)."""
     overrides = {
         "out_dir": str(tmp_path / name), "model.overrides": SMALL, "train.steps": 3, "optim.total_steps": 3,
         "optim.warmup_steps": 0, "optim.lr": 3e-3, "orchestrator.batch_size": 2, "orchestrator.group_size": 4,
@@ -30,7 +31,16 @@ def _cfg(tmp_path, name="run", **fields):
         "rl.temperature": 1.0, "checkpoint.export": False,
     }  # fmt: skip
     overrides.update(fields)
-    return load_rl_config(None, [f"--{k}={toml_literal(v)}" for k, v in overrides.items()])
+    return overrides
+
+
+def _args(tmp_path, name="run", **fields) -> list[str]:
+    """The same run as `flashnext rl` arguments."""
+    return [f"--{k}={toml_literal(v)}" for k, v in _fields(tmp_path, name, **fields).items()]
+
+
+def _cfg(tmp_path, name="run", **fields):
+    return load_rl_config(None, _args(tmp_path, name, **fields))
 
 
 def _run(cfg):

@@ -30,3 +30,14 @@ def test_tiny_rl_recipe_raises_the_held_out_reward(tmp_path):
     assert len(evals) >= 2 and evals[-1] > evals[0] + 0.15, evals
     assert max(r["rl/mismatch_kl"] for r in rows if "loss" in r) <= 1e-6
     assert (tmp_path / "runs" / "tiny-rl" / "final" / "config.json").exists()
+    kept = [p.name for p in (tmp_path / "runs" / "tiny-rl" / "checkpoints").glob("step_*")]
+    assert sorted(kept) == ["step_00000100", "step_00000120"]  # periodic (every 20, 2 kept) + the final one
+
+
+def test_tiny_rl_recipe_checkpoints_periodically():
+    """A crash or Ctrl-C keeps its own step (`train/interrupt.py`), but a killed process (OOM, power) loses what
+    came after the newest periodic checkpoint: the shipped recipe writes some."""
+    from flashnext.rl.config import load_rl_config
+
+    cfg = load_rl_config(ROOT / "configs" / "tiny-rl.toml")
+    assert 0 < cfg.checkpoint.every < cfg.train.steps and cfg.train.steps % cfg.checkpoint.every == 0

@@ -23,6 +23,8 @@ Train on packed sequences as the run config says (defaults: the embedded tiny mo
                        final/ and plots/ first (train.overwrite=true); without it such an out_dir is refused
   --print-config       print the resolved config as JSON and exit
   --section.field=V    override one field; V is a TOML literal or a bare string (e.g. --train.steps=20)
+Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint and exits 130/143 (twice: at once); a
+failure inside the loop saves the last completed step first. Both say where; --resume continues.
 """
 
 
@@ -82,18 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_training_command(argv, parse_args, train, "flashnext train")
 
 
-def run_training_command(argv: list[str] | None, parse, run, prog: str) -> int:
+def run_training_command(argv: list[str] | None, parse, run, prog: str, debug: bool = False) -> int:
     """The body every training command shares (`flashnext train`, `flashnext rl`): parse the arguments, print the
     config or check the run directory, start the process group, `run(cfg, ctx)`, end the group. `prog` names the
-    command in error lines.
+    command in error lines; `debug` prints an error's traceback before its line.
 
-    Every flashnext error (config, data, checkpoint), a missing file and a non-finite loss end the run with one
-    line on stderr (once per job under torchrun: `failure.report_fatal`) and exit status 1, no traceback.
+    Every flashnext error (config, data, checkpoint, environment), a missing file and a non-finite loss end the run
+    with one line on stderr (once per job under torchrun: `failure.report_fatal`) and exit status 1, no traceback;
+    the line carries the error's notes (where the checkpoint saved after the failure is: `train/interrupt.py`). A
+    run stopped by SIGINT/SIGTERM says where its checkpoint is and exits 130/143.
     """
-    from flashnext.train.failure import report_fatal
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def body() -> int:
         cfg, print_config = parse(argv)
         if print_config:
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -109,10 +112,37 @@ def run_training_command(argv: list[str] | None, parse, run, prog: str) -> int:
         ctx = init_distributed(device=device)
         run(cfg, ctx)
         destroy_distributed(ctx)  # not on an error: its barrier would pair with a peer's unrelated collective
+        return 0
+
+    return run_reporting_errors(body, prog, debug)
+
+
+def run_reporting_errors(body, prog: str, debug: bool = False) -> int:
+    """`body()`'s exit status; a flashnext error, a missing file or a non-finite loss is one line (its notes
+    appended) and status 1, an interrupted run its line and 128 + the signal, a bare Ctrl-C (outside a run's steps,
+    or the second one) one line and 130. `debug`: the traceback first."""
+    import traceback
+
+    from flashnext.train.failure import _rank, report_fatal
+    from flashnext.train.interrupt import RunInterrupted
+
+    try:
+        return body()
+    except RunInterrupted as e:
+        if _rank() == 0:
+            print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        if _rank() == 0:
+            print(f"{prog}: interrupted (no checkpoint saved)", file=sys.stderr, flush=True)
+        return 130
     except (FlashNextError, OSError, FloatingPointError) as e:
-        report_fatal(str(e), prog)
+        if debug:
+            traceback.print_exc()
+        report_fatal("; ".join([str(e), *getattr(e, "__notes__", ())]), prog)
         return 1
-    return 0
 
 
 def _add_plot_args(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ when `model.path` does not exist yet (the tiny recipe starts from the tiny SFT r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,6 +50,11 @@ class OrchestratorSection(BaseModel):
     """Held-out tasks per evaluation (0: no evaluation)."""
     eval_temperature: float = Field(0.0, ge=0.0)
     """Sampling temperature of the evaluation (0: greedy)."""
+    nan_rewards: Literal["error", "skip"] = "error"
+    """A NaN reward (the environment could not score a completion): `error` stops the run with a line naming the
+    environment and the task; `skip` leaves the sample out of its group (as a failed completion) and counts it
+    (`rollout/nan_rewards`, `rollout/nan_groups`, `reward/eval_nan`). An infinite or out-of-range reward is always
+    an error."""
 
 
 class EnvSection(BaseModel):

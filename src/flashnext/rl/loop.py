@@ -14,6 +14,8 @@ Metrics per step (`metrics.jsonl`, the progress bar): the trainer's (loss, `rl/m
 `rl/entropy`, tokens/s), `reward/*` (train mean/std and metrics, `reward/eval_*`), `rollout/*` (samples, dropped
 groups, failures, rollout tokens/s), `off_policy/*` (staleness, stale drops) and `sync/*` (seconds, bytes, peak
 extra bytes). Checkpoints add the rollouts already sampled for future steps, so `--resume` continues exactly.
+SIGINT/SIGTERM finish the step in flight and save; an exception (an environment's error, a failed rollout) saves
+the last completed step before it ends the run (`train/interrupt.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from flashnext.rl.envs import load_environment
 from flashnext.rl.inference import LocalInference, RemoteInference, SamplingSpec
 from flashnext.rl.orchestrator import Orchestrator, RolloutBatch, RolloutPipeline
 from flashnext.rl.rollouts import empty_like, pack_samples
+from flashnext.train.interrupt import StopOnSignal, check_stop, keep_work
 from flashnext.train.metrics import MetricsLogger, ProgressBar
 from flashnext.train.packing import flop_cost
 from flashnext.train.trainer import Trainer
@@ -95,7 +98,7 @@ class RLTrainer(Trainer):
         spec = SamplingSpec(cfg.max_tokens, cfg.rl.temperature, [eos], cfg.orchestrator.router_replay)
         o = cfg.orchestrator
         self.orch = Orchestrator(self.env, self.client, spec, o.batch_size, o.group_size, o.seed, o.std_normalize,
-                                 o.drop_zero_advantage, o.eval_tasks, o.eval_temperature)  # fmt: skip
+                                 o.drop_zero_advantage, o.eval_tasks, o.eval_temperature, o.nan_rewards)  # fmt: skip
         self.pipeline = RolloutPipeline(self.orch, o.max_off_policy_steps)
 
     def _local_engine(self):
@@ -163,18 +166,20 @@ class RLTrainer(Trainer):
             f"{self.cfg.inference.url or 'an engine in this process'}; steps {self.step} -> {self.cfg.train.steps}; "
             f"weights synced in {first_sync.seconds:.2f}s"
         )
-        history = self._loop()
-        path = self.save_checkpoint()
+        try:
+            history = keep_work(self, self._loop)  # SIGINT/SIGTERM or a failure: the last completed step is saved
+            path = self.save_checkpoint()
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
         self.say(f"checkpoint: {path}")
         if self.cfg.checkpoint.export:
             self.export(self.out_dir / "final")
             self.say(f"exported the model in the official layout to {self.out_dir / 'final'}")
-        if self.pipeline is not None:
-            self.pipeline.close()
         self._summary(history)
         return history
 
-    def _loop(self) -> list[dict[str, float]]:
+    def _loop(self, stop: StopOnSignal) -> list[dict[str, float]]:
         cfg = self.cfg
         logger = MetricsLogger(self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main, resume_step=self.step,
                                wandb=cfg.log.wandb_project)  # fmt: skip
@@ -187,6 +192,7 @@ class RLTrainer(Trainer):
                 bar.eval = start
                 history.append(start)
             while self.step < cfg.train.steps:
+                check_stop(self, stop)
                 metrics = self.rl_step()
                 last = self.step == cfg.train.steps
                 every = cfg.orchestrator.eval_every

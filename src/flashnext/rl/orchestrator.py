@@ -11,15 +11,21 @@ trainer takes step s; the weight sync after step s waits for that worker (in-fli
 weights). So step s trains on rollouts sampled by policy `max(0, s - 1 - k)`: staleness k (less in the first k
 steps), the same on every run. k = 0 is synchronous. A batch whose staleness exceeds the bound (e.g. a run resumed
 with a smaller k) is dropped and counted, and the step's rollouts are sampled afresh.
+
+The environment is called through `envs.get_task` / `make_prompt` / `score_completion` (errors name the environment
+and the task; rewards are checked). A NaN reward is an error unless `nan_rewards="skip"`: then the sample is left
+out of its group, like a failed completion, and counted (`rollout/nan_rewards` samples, `rollout/nan_groups` groups
+that lost one or more; `reward/eval_nan` in an evaluation), never dropped silently.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
-from flashnext.rl.envs import Environment
+from flashnext.rl.envs import Environment, Score, get_task, make_prompt, score_completion
 from flashnext.rl.inference import GenRequest, SamplingSpec
 from flashnext.rl.rollouts import Sample, assign_advantages
 from flashnext.serve.sampling import choice_seed
@@ -62,24 +68,30 @@ class Orchestrator:
         batch_size, group_size: prompts per step, completions per prompt.
         seed: the sampling seed; std_normalize, drop_zero: the advantage options.
         eval_tasks, eval_temperature: the held-out evaluation.
+        nan_rewards: "error" (a NaN reward stops the run) or "skip" (the sample is left out and counted).
     """
 
     def __init__(self, env: Environment, client, spec: SamplingSpec, batch_size: int, group_size: int, seed: int = 0,
                  std_normalize: bool = False, drop_zero: bool = True, eval_tasks: int = 64,
-                 eval_temperature: float = 0.0):  # fmt: skip
+                 eval_temperature: float = 0.0, nan_rewards: str = "error"):  # fmt: skip
         self.env, self.client, self.spec = env, client, spec
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.std_normalize, self.drop_zero = std_normalize, drop_zero
         self.eval_tasks, self.eval_temperature = eval_tasks, eval_temperature
+        self.allow_nan = {"error": False, "skip": True}[nan_rewards]
 
     def prompt_seed(self, step: int, i: int) -> int:
         return choice_seed(choice_seed(self.seed, step + 1), i + 1)
 
     def _sample(self, split: str, indices: list[int], n: int, spec: SamplingSpec, step: int):
         """[(task, [Choice])] for the tasks of `split` at `indices`, n completions each."""
-        tasks = [self.env.task(split, i) for i in indices]
-        reqs = [GenRequest(self.env.prompt(t), n, self.prompt_seed(step, j)) for j, t in enumerate(tasks)]
+        tasks = [get_task(self.env, split, i) for i in indices]
+        prompts = [make_prompt(self.env, split, i, t) for i, t in zip(indices, tasks, strict=True)]
+        reqs = [GenRequest(p, n, self.prompt_seed(step, j)) for j, p in enumerate(prompts)]
         return tasks, reqs, self.client.generate(reqs, spec)
+
+    def _score(self, split: str, index: int, task, token_ids):
+        return score_completion(self.env, split, index, task, self.env.tokenizer.decode(token_ids), self.allow_nan)
 
     def rollouts(self, step: int, policy_step: int) -> RolloutBatch:
         """Sample, score and weigh the rollouts of trainer step `step` with the engine's current weights (those of
@@ -88,47 +100,69 @@ class Orchestrator:
         first = (step - 1) * self.batch_size
         tasks, reqs, results = self._sample("train", list(range(first, first + self.batch_size)), self.group_size,
                                             self.spec, step)  # fmt: skip
-        groups, failed, tokens = [], 0, 0
+        groups, failed, tokens, nan_rewards, nan_groups = [], 0, 0, 0, 0
         for g, (task, req, choices) in enumerate(zip(tasks, reqs, results, strict=True)):
-            group = []
+            group, nans = [], 0
             for c in choices:
                 tokens += len(c.token_ids)
                 if c.finish_reason in _FAILED or not c.token_ids:
                     failed += 1
                     continue
-                score = self.env.score(task, self.env.tokenizer.decode(c.token_ids))
+                score = self._score("train", first + g, task, c.token_ids)
+                if math.isnan(score.reward):  # only with nan_rewards="skip": left out like a failed completion
+                    nans += 1
+                    continue
                 group.append(Sample(
                     task, g, list(req.prompt.ids), list(c.token_ids), list(c.logprobs), float(score.reward),
                     policy_step, c.finish_reason, dict(score.metrics), c.routed, req.prompt.pixel_values,
                     req.prompt.image_grid_thw,
                 ))  # fmt: skip
             groups.append(group)
+            nan_rewards, nan_groups = nan_rewards + nans, nan_groups + (nans > 0)
         everything = [s for group in groups for s in group]
         kept, dropped = assign_advantages(groups, self.std_normalize, self.drop_zero)
         seconds = time.perf_counter() - t0
         mean, std = _mean_std([s.reward for s in everything])
         stats = {"reward/mean": mean, "reward/std": std, "rollout/samples": len(everything),
                  "rollout/kept": len(kept), "rollout/groups_zero_advantage": dropped, "rollout/failed": failed,
+                 "rollout/nan_rewards": nan_rewards, "rollout/nan_groups": nan_groups,
                  "rollout/completion_tokens": tokens, "rollout/seconds": seconds,
                  "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}  # fmt: skip
         for key in sorted({k for s in everything for k in s.metrics}):
             stats[f"reward/{key}"] = _mean_std([s.metrics.get(key, 0.0) for s in everything])[0]
         return RolloutBatch(step, policy_step, kept, stats)
 
+    def eval_scores(self, n: int) -> tuple[list[dict], list[Score]]:
+        """The first `n` held-out tasks and the score of one completion of each at `eval_temperature` (the same
+        tasks and, greedy, the same completions for the same weights: scores of two checkpoints pair up)."""
+        spec = SamplingSpec(self.spec.max_tokens, self.eval_temperature, self.spec.stop_token_ids, False)
+        tasks, _, results = self._sample("eval", list(range(n)), 1, spec, step=-1)
+        return tasks, [self._score("eval", i, t, r[0].token_ids) for i, (t, r) in enumerate(zip(tasks, results,
+                                                                                                 strict=True))]
+
     def evaluate(self) -> dict[str, float]:
-        """Mean and std of the reward (and each metric's mean) over the first `eval_tasks` held-out tasks, one
-        completion each at `eval_temperature`."""
+        """Mean, std and standard error of the reward (and each metric's mean) over the first `eval_tasks`
+        held-out tasks, one completion each at `eval_temperature`; NaN rewards (`nan_rewards="skip"`) are left out
+        and counted in `reward/eval_nan`."""
         if not self.eval_tasks:
             return {}
-        spec = SamplingSpec(self.spec.max_tokens, self.eval_temperature, self.spec.stop_token_ids, False)
-        tasks, _, results = self._sample("eval", list(range(self.eval_tasks)), 1, spec, step=-1)
-        decode = self.env.tokenizer.decode
-        scores = [self.env.score(t, decode(r[0].token_ids)) for t, r in zip(tasks, results, strict=True)]
-        mean, std = _mean_std([s.reward for s in scores])
-        out = {"reward/eval_mean": mean, "reward/eval_std": std}
-        for key in sorted({k for s in scores for k in s.metrics}):
-            out[f"reward/eval_{key}"] = _mean_std([s.metrics.get(key, 0.0) for s in scores])[0]
-        return out
+        _, scores = self.eval_scores(self.eval_tasks)
+        return eval_summary(scores)
+
+
+def eval_summary(scores: list[Score]) -> dict[str, float]:
+    """`reward/eval_mean`, `_std` (population), `_stderr` (sample std / sqrt(n)), `_nan` (NaN rewards left out),
+    and `reward/eval_<metric>` means, over `scores`."""
+    kept = [s for s in scores if not math.isnan(s.reward)]
+    rewards = [s.reward for s in kept]
+    mean, std = _mean_std(rewards)
+    n = len(rewards)
+    stderr = std * (n / (n - 1)) ** 0.5 / n**0.5 if n > 1 else float("nan")
+    out = {"reward/eval_mean": mean, "reward/eval_std": std, "reward/eval_stderr": stderr,
+           "reward/eval_nan": len(scores) - n}  # fmt: skip
+    for key in sorted({k for s in kept for k in s.metrics}):
+        out[f"reward/eval_{key}"] = _mean_std([s.metrics.get(key, 0.0) for s in kept])[0]
+    return out
 
 
 class RolloutPipeline:
@@ -169,15 +203,16 @@ class RolloutPipeline:
         return batch, dropped
 
     def wait_idle(self) -> None:
-        """Wait until no rollout is being sampled (before the engine's weights change)."""
-        for job in list(self.jobs.values()):
-            if isinstance(job, Future):
-                job.result()
+        """Wait until no rollout is being sampled (before the engine's weights change). A job that failed keeps its
+        exception for `get` of its step to raise."""
+        wait([j for j in self.jobs.values() if isinstance(j, Future)])
 
     def state_dict(self) -> dict:
-        """The rollouts sampled for future steps (call when idle)."""
+        """The rollouts sampled for future steps (call when idle). A job that failed is left out: a resumed run
+        samples that step afresh (this is what lets a run that failed in a rollout still save its checkpoint)."""
         self.wait_idle()
-        batches = [j.result() if isinstance(j, Future) else j for j in self.jobs.values()]
+        batches = [j.result() if isinstance(j, Future) else j for j in self.jobs.values()
+                   if not (isinstance(j, Future) and j.exception() is not None)]  # fmt: skip
         return {"pending": [b.state() for b in batches], "dropped_stale": self.dropped_stale}
 
     def load_state_dict(self, state: dict) -> None:

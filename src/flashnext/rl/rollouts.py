@@ -20,6 +20,7 @@ layers, k experts per token):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,10 +85,16 @@ def assign_advantages(
 
     A group whose rewards are all equal has advantage 0 everywhere (nothing to learn); with `drop_zero` it is left
     out. Groups may differ in size (a failed completion is already missing); each is normalised on its own.
+
+    Raises:
+        InputError: a reward is not finite (a NaN would otherwise make its group look all-equal and vanish, or
+            poison the loss); the orchestrator leaves NaN-scored samples out, and counts them, before this.
     """
     kept, dropped = [], 0
     for group in groups:
         rewards = [s.reward for s in group]
+        if bad := [r for r in rewards if not math.isfinite(r)]:
+            raise InputError(f"group {group[0].group}: non-finite reward(s) {bad} (rewards {rewards})")
         if drop_zero and (not group or max(rewards) == min(rewards)):
             dropped += 1
             continue

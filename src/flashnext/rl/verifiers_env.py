@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import random
 from typing import Any
 
@@ -93,6 +94,9 @@ class VerifiersEnv(Environment):
         args: the taskset config's fields (`env.args`).
         seed, eval_percent, max_tokens: as `Environment`'s.
     """
+
+    # a verifiers reward is its rubric's weighted sum, whose range the taskset does not declare: any finite value
+    reward_range = (-math.inf, math.inf)
 
     def __init__(self, taskset_id: str, args: dict[str, Any] | None = None, **common):
         super().__init__(**common)

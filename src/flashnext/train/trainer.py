@@ -8,7 +8,8 @@ One optimizer step:
 3. forward + backward each micro-batch, clip the global gradient norm, step every optimizer and the schedule.
 
 Checkpoints (`checkpoint.py`) hold the model, optimizers, schedulers, the loader position and the RNG states, so a
-resumed run repeats the uninterrupted run's losses bit for bit on CPU.
+resumed run repeats the uninterrupted run's losses bit for bit on CPU. SIGINT/SIGTERM and a failure inside the
+loop save the last completed step first (`interrupt.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flashnext.train import run_dir
 from flashnext.train.config import RunConfig
 from flashnext.train.data import ModelLimits
 from flashnext.train.evaluation import Evaluator
+from flashnext.train.interrupt import StopOnSignal, check_stop, keep_work
 from flashnext.train.loss import (
     IGNORE_INDEX,
     count_label_tokens,
@@ -290,6 +292,11 @@ class Trainer:
         with self._compute():  # fp32 parameters and gradients again after it (mixed precision)
             loss_sum, mtp_sum, rl_sums = self._accumulate(batches, num_loss_tokens, num_mtp_tokens)
         t_backward = time.perf_counter()
+        (loss_total,) = all_reduce_sum(self.ctx, [float(loss_sum)])
+        if not math.isfinite(loss_total):  # before the update: the weights (and a checkpoint of them) stay sane
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"step {self.step + 1}: loss is {loss_total} (the weights were not updated)")
         params = trainable_params(self.optimizers)
         if self.ctx.distributed:
             from flashnext.parallel import clip_grad_norm_distributed
@@ -306,7 +313,6 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(tokens)
 
-        (loss_total,) = all_reduce_sum(self.ctx, [float(loss_sum)])
         seconds = time.perf_counter() - t0
         flops = 3.0 * sum(c[2] for c in counts)  # forward + backward (2x), no recompute
         (flops,) = all_reduce_sum(self.ctx, [flops])
@@ -333,8 +339,6 @@ class Trainer:
             keys = sorted(rl_sums)
             sums = all_reduce_sum(self.ctx, [x for k in keys for x in rl_sums[k]])
             out.update({f"rl/{k}": sums[2 * i] / max(sums[2 * i + 1], 1.0) for i, k in enumerate(keys)})
-        if not math.isfinite(out["loss"]):
-            raise FloatingPointError(f"step {self.step}: loss is {out['loss']}")
         return out
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -458,7 +462,7 @@ class Trainer:
             )
             return []
         self._announce()
-        history = self._loop()
+        history = keep_work(self, self._loop)
         if history:
             t0 = time.perf_counter()
             path = self.save_checkpoint()
@@ -506,8 +510,9 @@ class Trainer:
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
         )
 
-    def _loop(self) -> list[dict[str, float]]:
-        """The steps from the current one to `train.steps`: train, evaluate, log, checkpoint."""
+    def _loop(self, stop: StopOnSignal) -> list[dict[str, float]]:
+        """The steps from the current one to `train.steps`: train, evaluate, log, checkpoint; between steps, stop
+        (with a checkpoint) when `stop` was signalled (`train/interrupt.py`)."""
         cfg = self.cfg
         logger = MetricsLogger(
             self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main, resume_step=self.step, wandb=cfg.log.wandb_project
@@ -516,6 +521,7 @@ class Trainer:
         history = []
         try:
             while self.step < cfg.train.steps:
+                check_stop(self, stop)
                 metrics = self.train_step(self.next_micro_batches())
                 last = self.step == cfg.train.steps
                 if self.evaluator is not None and (last or _every(self.step, cfg.train.eval_every)):
