@@ -97,7 +97,7 @@ def test_score_refuses_non_numbers_and_keeps_floats():
         (None, {"8": "0.5"}, r"^environment 'scripted' task train/2: score\(\) returned str '0\.5', not a Score$"),
         (None, {"8": 0.5}, None),  # a plain Score is fine (the control case)
         (None, {"8": 1.5}, r"task train/2: score\(\) returned reward 1\.5, outside .* reward_range \[0\.0, 1\.0\]$"),
-        (None, {"8": float("inf")}, r"task train/2: score\(\) returned reward inf, outside"),
+        (None, {"8": float("inf")}, r"task train/2: score\(\) returned an infinite reward inf"),
         (None, {"8": float("nan")}, r"task train/2: score\(\) returned a NaN reward \(orchestrator\.nan_rewards="),
     ],
 )
@@ -137,6 +137,10 @@ def test_declared_reward_range():
     assert score_completion(env, "train", 0, {"i": 0}, "7").reward == -1.0
     with pytest.raises(EnvError, match=r"returned reward 2\.5, outside the environment's reward_range \[-1\.0, 2\.0\]"):
         score_completion(Scripted({"7": 2.5}, reward_range=(-1.0, 2.0)), "train", 0, {"i": 0}, "7")
+    unbounded = (-math.inf, math.inf)  # what a verifiers taskset declares: finite is still required
+    assert score_completion(Scripted({"7": 1e6}, reward_range=unbounded), "train", 0, {"i": 0}, "7").reward == 1e6
+    with pytest.raises(EnvError, match=r"task train/0: score\(\) returned an infinite reward inf"):
+        score_completion(Scripted({"7": math.inf}, reward_range=unbounded), "train", 0, {"i": 0}, "7")
 
 
 def test_nan_rewards_skipped_are_counted_never_silently_dropped():
