@@ -140,7 +140,8 @@ REFUSALS = [
         id="speculative-tokens-99",
     ),  # fmt: skip
     C(CMPL, _raw(model=M, prompt='""'), 400, ["prompt is empty"], "prompt", id="empty-prompt"),
-    C(CMPL, _raw(model=M, prompt='["a", "b"]'), 400, ["batched"], "prompt", id="batched-prompts"),
+    C(CMPL, _raw(model=M, prompt='["a", ""]'), 400, ["prompt[1]: prompt is empty"], "prompt[1]", id="batch-empty-one"),
+    C(CMPL, _raw(model=M, prompt="[]"), 400, ["prompt is empty"], "prompt", id="empty-batch"),
     C(
         CMPL,
         _raw(model=M, prompt='"a\\ud800b"'),
@@ -190,7 +191,8 @@ REFUSALS = [
     C(CMPL, _raw(model=M, prompt='"x"', logprobs=21), 400, ["logprobs", "21"], "logprobs", id="logprobs-21"),
     C(CMPL, _raw(model=M, prompt='"x"', n=0), 400, ["n must", "0"], "n", id="n-0"),
     C(CMPL, _raw(model=M, prompt='"x"', n=9), 400, ["n=9", "max_slots=8"], "n", id="n-over-slots"),
-    C(CMPL, _raw(model=M, prompt='"x"', echo="true"), 400, ["echo=True"], "echo", id="echo"),
+    C(CMPL, _raw(model=M, prompt='"x"', max_tokens=0), 400, ["max_tokens", "allowed with echo"], "max_tokens",
+      id="max-tokens-0-without-echo"),  # fmt: skip
     C(CMPL, _raw(model=M, prompt='"x"', logit_bias='{"5": 10}'), 400, ["logit_bias"], "logit_bias", id="logit_bias"),
     C(
         CMPL,

@@ -21,6 +21,7 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
+from flashnext.model.fused import linear
 from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
     CausalLMOutput,
@@ -208,13 +209,17 @@ class FlashNextForConditionalGeneration(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         *,
         return_routing: bool = False,
+        rows: torch.Tensor | None = None,
     ):
-        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing` too); image features come in
-        `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never
-        runs here."""
+        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing` and `rows` too); image features
+        come in `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower
+        never runs here."""
         state = StepState(step, cache.layers)
         hidden, routed, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
-        logits = last_token_logits(self.lm_head, hidden, step)
+        if rows is None:
+            logits = last_token_logits(self.lm_head, hidden, step)
+        else:
+            logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
         return (logits, routed) if return_routing else logits
 
     def state_spec(self, max_len: int) -> list[dict]:

@@ -71,6 +71,7 @@ from flashnext.model.state import make_step
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph, decode_only
 from flashnext.serve.loading import max_token_bytes
+from flashnext.serve import prompt_logprobs
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampling import (
@@ -169,6 +170,7 @@ class Engine:
         on_update: Callable[[Request], None] | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        group: str | None = None,
     ) -> Request:
         """Validate and queue a request (thread-safe). Raises `InputError` for an impossible request.
 
@@ -177,7 +179,8 @@ class Engine:
         thread) with the choice that progressed or finished.
 
         `pixel_values` [sum t*h*w, P] and `image_grid_thw` int [n, 3] (`flashnext.vision_inputs.process_images`)
-        give the images of the prompt's placeholder spans, in order (composite models only).
+        give the images of the prompt's placeholder spans, in order (composite models only). `group`: the id
+        `abort` cancels it by (default `request_id`; the prompts of one batched HTTP request share one).
         """
         params = params or SamplingParams()
         params.validate()
@@ -213,7 +216,7 @@ class Engine:
                 params,
                 on_update=on_update,
                 index=i,
-                group=rid,
+                group=group or rid,
                 generator=torch.Generator(device=self.device).manual_seed(choice_seed(seed, i)),
                 mrope=mrope,
                 images=images,
@@ -221,6 +224,10 @@ class Engine:
             )  # fmt: skip
             for i in range(params.n)
         ]
+        if params.prompt_logprobs is not None:  # one table for all choices: they share the prompt
+            table, tops = [None] * len(ids), [[] for _ in ids]
+            for choice in choices:
+                choice.prompt_logprobs, choice.prompt_top_logprobs = table, tops
         parent = choices[0]
         parent.choices, parent.forks = choices, choices[1:]
         with self._lock:
@@ -296,25 +303,26 @@ class Engine:
         if plan:
             t0 = time.perf_counter()
             try:
-                out, routing = self._forward(plan)
+                out, routing, prompt = self._forward(plan)
             except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
                 self._recover(plan, exc)
             else:
-                self._advance(plan, out, t0, routing)
+                self._advance(plan, out, t0, routing, prompt)
         done, self._finished = self._finished, []
         return done
 
-    def _forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor | SpecForward, torch.Tensor | None]:
+    def _forward(self, plan: list[tuple[Request, int]]):
         """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
-        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs; and
-        the stream's routed experts [T, L, k] when a request of the plan asked for them (else None). A decode-only
-        step without speculation or routing runs as the decode graph, when the engine has one."""
+        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs; the
+        stream's routed experts [T, L, k] when a request of the plan asked for them (else None); and the prompt
+        positions whose log-probs were asked, with their logits (`serve.prompt_logprobs`; None when none). A
+        decode-only step without speculation or routing runs as the decode graph, when the engine has one."""
         if self.decode_graph is not None and decode_only(plan):
             logits = self.decode_graph.run(
                 [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
                 [req.num_cached for req, _ in plan],
             )  # fmt: skip
-            return logits, None
+            return logits, None, None
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n) + req.drafts
@@ -324,20 +332,31 @@ class Engine:
             cached.append(req.num_cached)
         mrope = [req.mrope for req, _ in plan]
         step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope)
+        scored = prompt_logprobs.prompt_rows(plan, cu)
+        extra = prompt_logprobs.stream_rows(scored)
         with torch.inference_mode():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             embeds = self._prompt_embeds(plan, ids_t, cu)
             routing = any(req.params.return_routed_experts for req, _ in plan)
             if self.speculator is not None and any(req.spec_k for req, _ in plan):
-                return self.speculator.forward(ids_t, step, embeds, plan, cu, routing)
-            if routing:
-                return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds, return_routing=True)
-            return self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds), None
+                out, routed, prompt = self.speculator.forward(ids_t, step, embeds, plan, cu, routing, extra)
+                return out, routed, (scored, prompt) if scored else None
+            kw = {"return_routing": True} if routing else {}
+            if scored:  # the usual last-token rows, then the prompt positions to score
+                kw["rows"] = torch.tensor([c - 1 for c in cu[1:]] + extra, dtype=torch.long, device=self.device)
+            out = self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds, **kw)
+            logits, routed = out if routing else (out, None)
+            if scored:
+                return logits[: len(plan)], routed, (scored, logits[len(plan) :])
+            return logits, routed, None
 
-    def _advance(self, plan: list[tuple[Request, int]], out: torch.Tensor | SpecForward, t0: float, routing=None):
-        """After a successful forward: count the fed tokens, fork n-choice prompts, sample the due entries, verify
-        drafts and propose new ones (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests
-        that asked keep their rows; they never carry drafts, see `add_request`)."""
+    def _advance(self, plan: list[tuple[Request, int]], out, t0: float, routing=None, prompt=None):
+        """After a successful forward: record asked prompt log-probs, count the fed tokens, fork n-choice prompts,
+        sample the due entries (a request with `max_tokens` 0 ends instead), verify drafts and propose new ones
+        (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests that asked keep their rows;
+        they never carry drafts, see `add_request`); `prompt`: `_forward`'s prompt positions and their logits."""
+        if prompt is not None:
+            prompt_logprobs.record(*prompt)
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
         rows, to_sample, to_verify, cells = [], [], [], []
@@ -360,6 +379,9 @@ class Engine:
                     self._suspects.remove(req)
                 if req.drafts:
                     to_verify.append((req, i, n))
+                    continue
+                if req.params.max_tokens == 0:  # the prompt was only to be scored; its choices end with it
+                    self._finish(req, "length")
                     continue
                 row = i if spec is None else spec.first_row[i]
                 rows.append(row)

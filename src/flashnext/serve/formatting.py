@@ -32,16 +32,52 @@ def holdback(text: str, stops: list[str]) -> int:
 
 
 class Formatter:
-    """OpenAI response objects (full, streamed chunks, errors) for one request's choices (`Request`s)."""
+    """OpenAI response objects (full, streamed chunks, errors) for one request's choices (`Request`s).
 
-    def __init__(self, rid: str, model: str, tok, choices: list, chat: bool):
+    `echo` (completions): each choice's text starts with its prompt (decoded from its ids), and with logprobs its
+    first `logprobs` entries are the prompt's (`Request.prompt_logprobs`; the first token's is null), as OpenAI's
+    legacy completions return them. `text_offset` gives each token's start in the choice's returned text (for
+    a stream, the text returned so far).
+    """
+
+    def __init__(self, rid: str, model: str, tok, choices: list, chat: bool, echo: bool = False):
         self.rid, self.model, self.tok, self.choices, self.chat = rid, model, tok, choices, chat
+        self.echo = echo and not chat
         self.created = int(time.time())
+        self.echoed: set[int] = set()  # streamed choices whose prompt went out
 
     def _token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None else str(tid)
 
-    def _logprobs(self, index: int, lo: int, hi: int):
+    def _top(self, top) -> dict[str, float]:
+        """Top alternatives keyed by their text, best first; two ids that decode to one text keep the better."""
+        out: dict[str, float] = {}
+        for tid, lp in top:
+            out.setdefault(self._token_str(tid), lp)
+        return out
+
+    def prompt_text(self, index: int) -> str:
+        """Choice `index`'s prompt as echoed (empty without a tokenizer)."""
+        r = self.choices[index]
+        return self.tok.decode(r.prompt_ids) if self.tok is not None else ""
+
+    def _offsets(self, ids: list[int], base: int) -> list[int]:
+        """Where each of `ids` starts in their decoded text (as `Engine` decodes it), plus `base`."""
+        if self.tok is None:
+            return []
+        pieces = [self.tok.decode([t]) for t in ids]
+        if "".join(pieces) != self.tok.decode(ids):  # a token split a character: measure decoded prefixes
+            pieces = [self.tok.decode(ids[: i + 1]) for i in range(len(ids))]
+            starts = [0] + [len(p) for p in pieces[:-1]]
+            return [base + min(a, len(pieces[-1])) for a in starts]
+        out, at = [], base
+        for p in pieces:
+            out.append(at)
+            at += len(p)
+        return out
+
+    def _logprobs(self, index: int, lo: int, hi: int, with_prompt: bool = False):
+        """Choice `index`'s log-probs of tokens lo..hi (OpenAI's shape), after its prompt's when `with_prompt`."""
         r = self.choices[index]
         if r.params.logprobs is None:
             return None
@@ -49,12 +85,23 @@ class Formatter:
         tops = r.top_logprobs[lo:hi] if r.params.logprobs else [[] for _ in ids]
         if self.chat:
             return {"content": [self._chat_logprob(t, lp, top) for t, lp, top in zip(ids, lps, tops, strict=True)]}
+        base, head = 0, {"tokens": [], "token_ids": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if with_prompt:
+            prompt = r.prompt_ids
+            base = len(self.prompt_text(index))
+            head["tokens"] = [self._token_str(t) for t in prompt]
+            head["token_ids"] = list(prompt)
+            head["token_logprobs"] = list(r.prompt_logprobs)
+            head["top_logprobs"] = [None] + [self._top(t) for t in r.prompt_top_logprobs[1:]]
+            head["text_offset"] = self._offsets(prompt, 0)
+        elif self.echo:
+            base = len(self.prompt_text(index))
         return {
-            "tokens": [self._token_str(t) for t in ids],
-            "token_ids": list(ids),
-            "token_logprobs": list(lps),
-            "top_logprobs": [{self._token_str(a): b for a, b in top} for top in tops] if r.params.logprobs else None,
-            "text_offset": [],
+            "tokens": head["tokens"] + [self._token_str(t) for t in ids],
+            "token_ids": head["token_ids"] + list(ids),
+            "token_logprobs": head["token_logprobs"] + list(lps),
+            "top_logprobs": head["top_logprobs"] + [self._top(top) for top in tops] if r.params.logprobs else None,
+            "text_offset": head["text_offset"] + self._offsets(r.output_ids[:hi], base)[lo:],
         }
 
     def _chat_logprob(self, tid: int, logprob: float, top) -> dict:
@@ -65,8 +112,8 @@ class Formatter:
         return {"token": s, "logprob": logprob, "bytes": list(s.encode()), "top_logprobs": alternatives}
 
     def usage(self) -> dict:
-        """Prompt tokens once (the choices share the prompt), completion tokens of every choice."""
-        p = len(self.choices[0].prompt_ids)
+        """Prompt tokens once per prompt (its choices share it), completion tokens of every choice."""
+        p = sum(len(r.prompt_ids) for r in self.choices if r.index == 0)
         c = sum(len(r.output_ids) for r in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -78,8 +125,9 @@ class Formatter:
             if self.chat:
                 body = {"message": {"role": "assistant", "content": text}}
             else:
-                body = {"text": text, "token_ids": list(r.output_ids)}
-            choices.append({"index": i, **body, "logprobs": self._logprobs(i, 0, n), "finish_reason": r.finish_reason})
+                body = {"text": self.prompt_text(i) + text if self.echo else text, "token_ids": list(r.output_ids)}
+            lps = self._logprobs(i, 0, n, with_prompt=self.echo)
+            choices.append({"index": i, **body, "logprobs": lps, "finish_reason": r.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -99,8 +147,14 @@ class Formatter:
         return out
 
     def delta(self, index: int, text: str, lo: int, hi: int, reason: str | None, last: bool) -> dict:
-        """A streamed chunk of choice `index`: new text, tokens lo..hi; `last` (every choice done) adds usage."""
-        out = self.chunk(index, {"content": text} if self.chat else text, reason, self._logprobs(index, lo, hi), last)
+        """A streamed chunk of choice `index`: new text, tokens lo..hi; `last` (every choice done) adds usage. With
+        `echo`, a choice's first chunk starts with its prompt (text and log-probs)."""
+        first = self.echo and index not in self.echoed
+        if first:
+            self.echoed.add(index)
+            text = self.prompt_text(index) + text
+        lps = self._logprobs(index, lo, hi, with_prompt=first)
+        out = self.chunk(index, {"content": text} if self.chat else text, reason, lps, last)
         if not self.chat:
             out["choices"][0]["token_ids"] = list(self.choices[index].output_ids[lo:hi])  # extension: this chunk's
         return out

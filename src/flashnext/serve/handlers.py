@@ -12,14 +12,18 @@ from flashnext.serve.protocol import error_body
 
 
 class Stream:
-    """A request's progress as seen by its handler: (choice index, tokens so far, text, finish reason) snapshots."""
+    """A request's progress as seen by its handler: (choice index, tokens so far, text, finish reason) snapshots.
+    `shifted(k)` is a sink into the same queue whose choice indices start at k (prompt i of a batch: i * n)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue | None = None, offset: int = 0):
+        self.loop, self.offset = loop, offset
+        self.queue: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+
+    def shifted(self, offset: int) -> Stream:
+        return Stream(self.loop, self.queue, offset)
 
     def __call__(self, req) -> None:  # engine thread
-        snap = (req.index, len(req.output_ids), req.text, req.finish_reason)
+        snap = (self.offset + req.index, len(req.output_ids), req.text, req.finish_reason)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, snap)
 
 

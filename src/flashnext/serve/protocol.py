@@ -1,7 +1,7 @@
 """OpenAI API request bodies (the subset served), their checks, and OpenAI-style error bodies.
 
 Nothing a client sends is silently dropped when it would change the answer: OpenAI parameters this server does
-not implement (penalties, `logit_bias`, `best_of`, `echo`, `suffix`, tools, a non-text `response_format`) are
+not implement (penalties, `logit_bias`, `best_of`, `suffix`, tools, a non-text `response_format`) are
 refused with a 400 naming them unless they hold their neutral default, and so is an unknown chat content part.
 Unknown extra fields (`user`, `metadata`, ...) are ignored: they do not change generation.
 """
@@ -74,7 +74,9 @@ class _Body(BaseModel):
     def _unsupported(self) -> dict[str, bool]:
         return {}
 
-    def sampling(self, max_tokens: int, logprobs: int | None, stop_ids: list[int]) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, logprobs: int | None, stop_ids: list[int], prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The request's `SamplingParams`, validated (`FieldError` naming the field and value)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
@@ -89,6 +91,7 @@ class _Body(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens,
             logprobs=logprobs,
             n=self.n,
+            prompt_logprobs=prompt_logprobs,
         )
         params.validate()
         return params
@@ -96,24 +99,37 @@ class _Body(BaseModel):
 
 class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
-    """Text or token ids (a one-element batch of either is accepted)."""
+    """Text or token ids, or a batch (a list of texts or of id lists): prompt i's choices are indices
+    i*n .. i*n + n - 1 of the answer, as OpenAI numbers them."""
     logprobs: int | None = None
-    """Include the sampled token's log-prob and the top n (0..20)."""
+    """Include the sampled token's log-prob and the top n (0..20); with `echo`, the prompt tokens' too."""
     echo: bool = False
+    """Return the prompt before the completion (text, and with `logprobs` its tokens' log-probs: the first
+    `null`), as OpenAI's legacy completions; `max_tokens: 0` then only scores the prompt (lm-eval's
+    loglikelihood requests)."""
     best_of: int | None = None
     suffix: str | None = None
 
     def _unsupported(self) -> dict[str, bool]:
-        return {"echo": self.echo, "best_of": self.best_of not in (None, 1, self.n), "suffix": bool(self.suffix)}
+        return {"best_of": self.best_of not in (None, 1, self.n), "suffix": bool(self.suffix)}
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or ids); `BadRequest` for a batch of several."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (one, or each of a batch); `BadRequest` for an empty batch."""
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            return prompt[0]  # a batch of one
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
-        return prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise BadRequest("prompt is empty", "prompt")
+        return list(prompt)
+
+    def completion_sampling(self) -> SamplingParams:
+        """The request's `SamplingParams`: `max_tokens` default 16, 0 only with `echo` (score the prompt only);
+        with `echo` the prompt's log-probs are asked too (its top n when `logprobs` > 0)."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens must be an integer >= 1, got 0 (0 is allowed with echo: true)", "max_tokens")
+        prompt_logprobs = (self.logprobs or 0) if self.echo else None
+        return self.sampling(max_tokens, self.logprobs, [], prompt_logprobs=prompt_logprobs)
 
 
 class ChatMessage(BaseModel):

@@ -39,6 +39,10 @@ class Completion:
         num_draft_tokens: MTP draft tokens verified for this choice (speculative decoding; 0 without).
         num_accepted_tokens: of those, accepted.
         num_verify_steps: steps that verified drafts (each emits the accepted drafts plus one token).
+        prompt_logprobs: per prompt position, the log-prob of its token given the ones before (None at position 0);
+            None unless `SamplingParams.prompt_logprobs` was asked (`serve.prompt_logprobs`).
+        prompt_top_logprobs: per prompt position, the top n `(token_id, logprob)` pairs ([] at position 0); None
+            unless `prompt_logprobs` > 0.
     """
 
     request_id: str
@@ -55,6 +59,8 @@ class Completion:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects (membership in the queues)
@@ -99,6 +105,8 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
+    prompt_logprobs: list[float | None] | None = None  # per prompt position (shared by the choices), when asked
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +146,10 @@ class Request:
             num_draft_tokens=self.num_drafted,
             num_accepted_tokens=self.num_accepted,
             num_verify_steps=self.num_verify_steps,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_top_logprobs=[list(t) for t in self.prompt_top_logprobs]
+            if self.prompt_top_logprobs is not None and self.params.prompt_logprobs
+            else None,
         )
 
     def record_routing(self, rows: torch.Tensor) -> None:

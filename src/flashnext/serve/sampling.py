@@ -53,7 +53,7 @@ class SamplingParams:
     """How one request generates.
 
     Attributes:
-        max_tokens: most tokens to generate (>= 1).
+        max_tokens: most tokens to generate (>= 1; 0 only with `prompt_logprobs`: score the prompt, generate nothing).
         temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling (see the module
             doc for tiny and huge values).
         top_k: keep the k most likely tokens (0 = all).
@@ -71,6 +71,8 @@ class SamplingParams:
             trainer recomputes; top-k / top-p truncation is not applied; a greedy request's are the raw ones).
         return_routed_experts: record the routed experts of every token the model runs for this request (prompt
             and generated, `Completion.routed_experts`), for a trainer's router replay.
+        prompt_logprobs: None = none; 0 = the log-prob of every prompt token given the ones before it (the first
+            has none); n > 0 = also the top n per position (`serve.prompt_logprobs`; the model's distribution).
         num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
             one step of the model (0 = off; None = the engine's default). The output distribution is the same
             either way (greedy: the same tokens, up to float rounding of near ties).
@@ -89,6 +91,7 @@ class SamplingParams:
     logprobs_mode: str = "raw"
     return_routed_experts: bool = False
     num_speculative_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -97,8 +100,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise `InputError` naming the first bad field and its value."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise FieldError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise FieldError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
+                             "prompt_logprobs")
+        least = 0 if self.prompt_logprobs is not None else 1  # nothing to generate: only scoring the prompt
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            why = "" if least == 0 else " (0 only when the prompt's log-probs are asked: echo with logprobs)"
+            raise FieldError(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}{why}", "max_tokens")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise FieldError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not _is_int(self.top_k) or self.top_k < 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -129,6 +130,18 @@ class EngineLoop:
             log_finished(req)
 
 
+@dataclasses.dataclass
+class Batch:
+    """The prompts of one completions request, answered as one: `choices` are every prompt's, in order."""
+
+    request_id: str
+    parents: list
+
+    @property
+    def choices(self) -> list:
+        return [c for p in self.parents for c in p.choices]
+
+
 def log_finished(req) -> None:
     ttft = f"{req.first_token_time - req.arrival:.3f}s" if req.first_token_time is not None else "-"
     total = (req.finish_time or time.perf_counter()) - req.arrival
@@ -194,12 +207,30 @@ class Routes:
             return bad
         try:
             body.refuse_unsupported()
-            prompt = body.single_prompt()
-            params = body.sampling(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, [])
+            prompts = body.prompts()
+            params = body.completion_sampling()
         except FlashNextError as e:
             return _bad(e)
-        queue = lambda rid, sink: self.engine.add_request(prompt, params, rid, sink)  # noqa: E731
-        return await self._serve(request, queue, body.stream, chat=False)
+        queue = lambda rid, sink: self._queue_prompts(rid, sink, prompts, params)  # noqa: E731
+        return await self._serve(request, queue, body.stream, chat=False, echo=body.echo)
+
+    def _queue_prompts(self, rid: str, sink: Stream, prompts: list, params) -> Batch:
+        """Worker thread: queue each prompt of a completions request (prompt i's choices answer as indices
+        i*n .. i*n + n - 1); they share the group `rid`, so one abort cancels them all. A bad prompt cancels the
+        ones already queued and its error names it."""
+        parents = []
+        try:
+            for i, prompt in enumerate(prompts):
+                own = rid if i == 0 else f"{rid}-{i}"
+                shift = sink.shifted(i * params.n)
+                parents.append(self.engine.add_request(prompt, dataclasses.replace(params), own, shift, group=rid))
+        except FlashNextError as e:
+            self.engine.abort(rid)
+            if len(prompts) > 1:
+                field = getattr(e, "field", None)
+                raise BadRequest(f"prompt[{len(parents)}]: {e}", field and f"{field}[{len(parents)}]") from None
+            raise
+        return Batch(rid, parents)
 
     async def chat(self, body: ChatRequest, request: Request):
         if (bad := self._unknown_model(body.model)) is not None:
@@ -234,8 +265,9 @@ class Routes:
             params.max_tokens = max(1, self.engine.max_model_len - len(ids))
         return self.engine.add_request(ids, params, rid, sink, **kw)
 
-    async def _serve(self, request: Request, queue: Callable, stream: bool, chat: bool):
-        """Queue the request off the event loop, then answer it whole or as an SSE stream."""
+    async def _serve(self, request: Request, queue: Callable, stream: bool, chat: bool, echo: bool = False):
+        """Queue the request off the event loop, then answer it whole or as an SSE stream (`echo`: completions
+        return each prompt before its completion)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = Stream(asyncio.get_running_loop())
         try:
@@ -243,7 +275,7 @@ class Routes:
         except FlashNextError as e:
             return _bad(e)
         self.loop.wake()
-        fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat)
+        fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat, echo)
         if stream:
             return StreamingResponse(self._sse(request, req, sink, fmt), media_type="text/event-stream")
         return await self._whole(req, sink, fmt)

@@ -98,10 +98,12 @@ class Speculator:
         self.device = next(model.parameters()).device
 
     # ---- the verify step ------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int], routing=False):
+    def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int], routing=False,
+                extra_rows: list[int] | None = None):  # fmt: skip
         """Run the model step over the plan's stream (drafts appended to their entries), keeping what verification
         and proposal need. The slots that carry drafts are snapshotted first (see the module doc). Returns the
-        `SpecForward` and, with `routing`, the stream's routed experts [T, L, k] (else None)."""
+        `SpecForward`, with `routing` the stream's routed experts [T, L, k] (else None), and the logits of
+        `extra_rows` (stream rows the engine asks for besides: prompt positions to score; None without)."""
         rows, first = [], []
         for i, (req, n) in enumerate(plan):
             if req.num_cached + n == req.num_tokens:  # reaches its last known token: samples (and verifies)
@@ -111,13 +113,14 @@ class Speculator:
                 first.append(None)
         with_drafts = [req.slot for req, _ in plan if req.drafts]
         snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rows_t = torch.tensor(rows + list(extra_rows or ()), dtype=torch.long, device=self.device)
         logits, residual, *routed = self.model.forward_step(
             ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True, return_routing=routing
         )
+        logits, extra = logits[: len(rows)], (logits[len(rows) :] if extra_rows else None)
         cached = [req.num_cached for req, _ in plan]
         out = SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan])
-        return out, (routed[0] if routing else None)
+        return out, (routed[0] if routing else None), extra
 
     def verify(self, req: Request, out: SpecForward, i: int) -> Verdict | None:
         """Accept entry i's drafts against the target's logits (see the module doc); None when a row is not
