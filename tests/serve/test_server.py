@@ -104,10 +104,11 @@ def test_n_choices(server, client):
     alone = [client.chat.completions.create(seed=choice_seed(77, i), **kw).choices[0] for i in range(2)]
     assert [c.message.content for c in out.choices] == [a.message.content for a in alone]
 
-    stream = client.chat.completions.create(n=2, seed=77, stream=True, **kw)
+    stream = client.chat.completions.create(n=2, seed=77, stream=True, stream_options={"include_usage": True}, **kw)
     texts, order, finished = ["", ""], [], {}
-    for chunk in stream:
-        c = chunk.choices[0]
+    *chunks, chunk = stream  # the last chunk carries the usage alone (include_usage)
+    assert chunk.choices == []
+    for c in (ch.choices[0] for ch in chunks):
         texts[c.index] += c.delta.content or ""
         order.append(c.index)
         if c.finish_reason is not None:

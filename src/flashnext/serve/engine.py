@@ -171,6 +171,7 @@ class Engine:
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         group: str | None = None,
+        length_field: str | None = None,
     ) -> Request:
         """Validate and queue a request (thread-safe). Raises `InputError` for an impossible request.
 
@@ -181,6 +182,8 @@ class Engine:
         `pixel_values` [sum t*h*w, P] and `image_grid_thw` int [n, 3] (`flashnext.vision_inputs.process_images`)
         give the images of the prompt's placeholder spans, in order (composite models only). `group`: the id
         `abort` cancels it by (default `request_id`; the prompts of one batched HTTP request share one).
+        `length_field`: the client's name for `max_tokens`; when given, a prompt + `max_tokens` past
+        `max_model_len` is refused naming it (OpenAI semantics) instead of ending early with "length".
         """
         params = params or SamplingParams()
         params.validate()
@@ -192,6 +195,13 @@ class Engine:
         if len(ids) >= self.max_model_len:
             msg = f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room"
             raise FieldError(msg, "prompt")
+        if length_field is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise FieldError(
+                f"{length_field}={params.max_tokens} plus the prompt's {len(ids)} tokens is "
+                f"{len(ids) + params.max_tokens}, more than this model's context of {self.max_model_len} tokens "
+                f"(max_model_len); ask for at most {self.max_model_len - len(ids)}",
+                length_field,
+            )
         vocab = self.config.vocab_size
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
         if bad is not None:

@@ -40,9 +40,11 @@ class Formatter:
     a stream, the text returned so far).
     """
 
-    def __init__(self, rid: str, model: str, tok, choices: list, chat: bool, echo: bool = False):
+    def __init__(self, rid: str, model: str, tok, choices: list, chat: bool, echo: bool = False,
+                 include_usage: bool = False):  # fmt: skip
         self.rid, self.model, self.tok, self.choices, self.chat = rid, model, tok, choices, chat
         self.echo = echo and not chat
+        self.include_usage = include_usage  # streamed: "usage": null on each chunk, then `usage_chunk()`
         self.created = int(time.time())
         self.echoed: set[int] = set()  # streamed choices whose prompt went out
 
@@ -134,27 +136,33 @@ class Formatter:
             "choices": choices, "usage": self.usage(),
         }  # fmt: skip
 
-    def chunk(self, index: int, delta, reason: str | None, logprobs=None, usage: bool = False) -> dict:
+    def _chunk_head(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, index: int, delta, reason: str | None, logprobs=None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            obj = "chat.completion.chunk"
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
-            obj = "text_completion"
-        out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-        if usage:
-            out["usage"] = self.usage()
+        out = {**self._chunk_head(), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
         return out
 
-    def delta(self, index: int, text: str, lo: int, hi: int, reason: str | None, last: bool) -> dict:
-        """A streamed chunk of choice `index`: new text, tokens lo..hi; `last` (every choice done) adds usage. With
-        `echo`, a choice's first chunk starts with its prompt (text and log-probs)."""
+    def usage_chunk(self) -> dict:
+        """The stream's last chunk with `stream_options.include_usage`: no choices, the request's usage."""
+        return {**self._chunk_head(), "choices": [], "usage": self.usage()}
+
+    def delta(self, index: int, text: str, lo: int, hi: int, reason: str | None) -> dict:
+        """A streamed chunk of choice `index`: new text, tokens lo..hi. With `echo`, a choice's first chunk starts
+        with its prompt (text and log-probs)."""
         first = self.echo and index not in self.echoed
         if first:
             self.echoed.add(index)
             text = self.prompt_text(index) + text
         lps = self._logprobs(index, lo, hi, with_prompt=first)
-        out = self.chunk(index, {"content": text} if self.chat else text, reason, lps, last)
+        out = self.chunk(index, {"content": text} if self.chat else text, reason, lps)
         if not self.chat:
             out["choices"][0]["token_ids"] = list(self.choices[index].output_ids[lo:hi])  # extension: this chunk's
         return out

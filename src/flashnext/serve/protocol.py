@@ -47,6 +47,9 @@ class _Body(BaseModel):
     num_speculative_tokens: int | None = None
     """Extension: MTP draft tokens per step for this request (0 = off; default the server's --speculative-tokens)."""
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    """`{"include_usage": true}`: every streamed chunk carries `"usage": null` and a last chunk with no choices
+    carries the usage (as OpenAI streams it); only with `stream: true`."""
     n: int = 1
     """Choices of the prompt; they share its prefill."""
     presence_penalty: float = 0.0
@@ -70,6 +73,12 @@ class _Body(BaseModel):
         for name, bad in unsupported.items():
             if bad:
                 raise BadRequest(f"{name}={show(getattr(self, name))} is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
 
     def _unsupported(self) -> dict[str, bool]:
         return {}
@@ -140,7 +149,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Body):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -32,6 +32,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashnext.errors import FlashNextError
 from flashnext.serve import rl_routes
@@ -188,10 +189,17 @@ class Routes:
     async def health(self):
         return {"status": "ok"}
 
-    async def models(self):
+    def _card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "flashnext"}
         card["max_model_len"] = self.engine.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    async def models(self):
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str):
+        """`GET /v1/models/{id}` (`client.models.retrieve`): the card, or 404 for another id."""
+        return self._unknown_model(model_id) or self._card()
 
     async def metrics(self):
         return PlainTextResponse(prometheus_text(self.engine), media_type="text/plain; version=0.0.4")
@@ -212,7 +220,7 @@ class Routes:
         except FlashNextError as e:
             return _bad(e)
         queue = lambda rid, sink: self._queue_prompts(rid, sink, prompts, params)  # noqa: E731
-        return await self._serve(request, queue, body.stream, chat=False, echo=body.echo)
+        return await self._serve(request, queue, body, chat=False, echo=body.echo)
 
     def _queue_prompts(self, rid: str, sink: Stream, prompts: list, params) -> Batch:
         """Worker thread: queue each prompt of a completions request (prompt i's choices answer as indices
@@ -223,7 +231,8 @@ class Routes:
             for i, prompt in enumerate(prompts):
                 own = rid if i == 0 else f"{rid}-{i}"
                 shift = sink.shifted(i * params.n)
-                parents.append(self.engine.add_request(prompt, dataclasses.replace(params), own, shift, group=rid))
+                parents.append(self.engine.add_request(prompt, dataclasses.replace(params), own, shift, group=rid,
+                                                       length_field="max_tokens"))  # fmt: skip
         except FlashNextError as e:
             self.engine.abort(rid)
             if len(prompts) > 1:
@@ -245,10 +254,11 @@ class Routes:
             params = body.sampling(max_tokens or 1, body.logprobs_setting(), end_of_turn_ids(self.tok))
         except FlashNextError as e:
             return _bad(e)
-        queue = lambda rid, sink: self._queue_chat(rid, sink, messages, urls, params, max_tokens)  # noqa: E731
-        return await self._serve(request, queue, body.stream, chat=True)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        queue = lambda rid, sink: self._queue_chat(rid, sink, messages, urls, params, max_tokens, field)  # noqa: E731
+        return await self._serve(request, queue, body, chat=True)
 
-    def _queue_chat(self, rid: str, sink: Stream, messages, urls, params, max_tokens):
+    def _queue_chat(self, rid: str, sink: Stream, messages, urls, params, max_tokens, field: str):
         """Worker thread: render the chat template (images expanded), tokenize, queue the request."""
         kw = {}
         try:
@@ -263,9 +273,9 @@ class Routes:
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
         if max_tokens is None:  # up to the context
             params.max_tokens = max(1, self.engine.max_model_len - len(ids))
-        return self.engine.add_request(ids, params, rid, sink, **kw)
+        return self.engine.add_request(ids, params, rid, sink, length_field=field, **kw)
 
-    async def _serve(self, request: Request, queue: Callable, stream: bool, chat: bool, echo: bool = False):
+    async def _serve(self, request: Request, queue: Callable, body, chat: bool, echo: bool = False):
         """Queue the request off the event loop, then answer it whole or as an SSE stream (`echo`: completions
         return each prompt before its completion)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -275,8 +285,8 @@ class Routes:
         except FlashNextError as e:
             return _bad(e)
         self.loop.wake()
-        fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat, echo)
-        if stream:
+        fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat, echo, body.include_usage)
+        if body.stream:
             return StreamingResponse(self._sse(request, req, sink, fmt), media_type="text/event-stream")
         return await self._whole(req, sink, fmt)
 
@@ -321,20 +331,45 @@ class Routes:
                 delta = text[len(sent_text[i]) : len(text) - hold] if len(text) - hold > len(sent_text[i]) else ""
                 if ntok > sent_tokens[i] or delta or reason is not None:
                     done += reason is not None
-                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason, last=done == n))
+                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason))
                     sent_tokens[i], sent_text[i] = ntok, sent_text[i] + delta
+            if fmt.include_usage and done == n:
+                yield event(fmt.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
             if not all(c.finished for c in req.choices):
                 self.engine.abort(req.request_id)  # client went away (generator closed): free the slots
 
 
+def _json_kind(python_type: str) -> str:
+    return {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean",
+            "NoneType": "null"}.get(python_type, python_type)  # fmt: skip
+
+
 def _install_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
     """Validation errors as OpenAI 400 bodies naming the field, the API key on /v1/*, the body size limit."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """An unknown path (404), a wrong method (405) and the like, in OpenAI's error shape."""
+        what = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, f"{what}: {request.method} {request.url.path}",
+                                  "not_found_error" if exc.status_code == 404 else "invalid_request_error")  # fmt: skip
+        response.headers.update(exc.headers or {})  # 405 names the allowed methods in Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # a syntax error: say where, as json does
+            doc, pos = exc.body if isinstance(exc.body, str) else "", first.get("loc", ("body", 0))[-1]
+            pos = pos if isinstance(pos, int) else 0
+            line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
+            why = first.get("ctx", {}).get("error", "malformed JSON")
+            return error_response(400, f"invalid JSON at line {line} column {column} (char {pos}): {why}")
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing":
+            got = type(first.get("input")).__name__
+            return error_response(400, f"the request body must be a JSON object, got a JSON {_json_kind(got)}")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "malformed body")
         if "input" in first and first.get("type") != "missing" and where:
@@ -381,6 +416,7 @@ def build_app(
     _install_guards(app, api_key, max_request_bytes)
     app.get("/health")(routes.health)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
     app.get("/metrics")(routes.metrics)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
