@@ -7,8 +7,8 @@ from __future__ import annotations
 import http.client
 import json
 import struct
-import time
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 

@@ -68,10 +68,10 @@ import torch
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.model.state import make_step
+from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph, decode_only
 from flashnext.serve.loading import max_token_bytes
-from flashnext.serve import prompt_logprobs
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampling import (
