@@ -63,7 +63,8 @@ def test_demo_and_the_readme_commands_still_parse_and_run(capsys):
     assert build_parser().parse_args(["serve"]).command == "serve"  # README: `flashnext serve`
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])
-    assert e.value.code == 0 and "--overwrite" in capsys.readouterr().out
+    helped = capsys.readouterr().out
+    assert e.value.code == 0 and "--overwrite" in helped and "parallel" in helped  # every config section
 
 
 def _pretokenized(path, lines):
@@ -87,10 +88,12 @@ SHIPPED = str(ROOT / "configs" / "tiny-sft.toml")
         (["--data.path=TMP/utf8.jsonl"], "utf8.jsonl:1: invalid UTF-8 (byte 0xff at byte 14 of the line)"),
         (["--data.path=TMP/none.jsonl"], "data.path='TMP/none.jsonl' does not exist"),
         (["--resume=TMP"], "TMP is not a training checkpoint (no meta.json)"),
+        (["--resume=TMP/nowhere"], "TMP/nowhere does not exist"),
         (["--train.steps", "4"], "unknown argument '--train.steps': overrides take the form --section.field=value"),
         (["--log.wandb_project=x"], "log.wandb_project='x' but wandb is not installed"),
     ],
-    ids=["warmup", "steps0", "id>=vocab", "utf8", "no-data", "not-a-checkpoint", "space-override", "no-wandb"],
+    ids=["warmup", "steps0", "id>=vocab", "utf8", "no-data", "not-a-checkpoint", "missing-checkpoint", "space-override",
+         "no-wandb"],
 )  # fmt: skip
 def test_train_errors_are_one_line_and_status_1(tmp_path, capsys, args, expected):
     if "wandb" in expected and importlib.util.find_spec("wandb") is not None:

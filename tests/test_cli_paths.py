@@ -24,6 +24,8 @@ CASES = {
     "train-config-dir": (["train", "--config", "{p}/a_dir"], "run config {p}/a_dir is a directory"),
     "train-model-path": (["train", "--model.path={p}/absent", "--out_dir={p}/run"], "model.path='{p}/absent'"),
     "rl-model-path": (["rl", "--model.path={p}/a_dir", "--out_dir={p}/run"], "model.path='{p}/a_dir'"),
+    "convert-missing-checkpoint": (["convert", "--checkpoint", "{p}/absent", "--out", "{p}/out"],
+                                   "{p}/absent does not exist"),  # fmt: skip
     "quantize-not-safetensors": (["quantize", "--ngram", "fp8", "{p}/not.safetensors", "{p}/out"],
                                  "not.safetensors: not a safetensors file"),  # fmt: skip
 }

@@ -97,6 +97,23 @@ def test_served_model_name():
         assert httpx.post(f"{base}/v1/completions", json={**body, "model": name + "x"}).status_code == 404
 
 
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_one_line(capsys, port):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--port", port])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --port: must be an integer in [0, 65535], got '{port}'" in err and "Traceback" not in err
+
+
+def test_a_runs_final_export_is_served_under_the_runs_name(tmp_path):
+    from flashnext.serve.loading import served_name
+
+    (tmp_path / "tiny-sft" / "final").mkdir(parents=True)
+    assert served_name(tmp_path / "tiny-sft" / "final") == "tiny-sft"
+    assert served_name(tmp_path / "tiny-sft") == "tiny-sft"
+
+
 def test_busy_port_is_an_error_before_any_announcement(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -322,6 +322,9 @@ def test_refusals_name_the_setting(small_config):
 
 def test_metrics_report_acceptance(model):
     engine = _engine(model, 3)
+    quiet = prometheus_text(engine)  # nothing drafted yet: no rate gauges (they read NaN before)
+    assert "flashnext_spec_acceptance_rate " not in quiet and "flashnext_spec_mean_accepted_length " not in quiet
+    assert "flashnext_spec_draft_tokens_total 0" in quiet
     KnownDrafts(engine, {}, p_wrong=0.0)  # drafts of token 0: accepted only where the target picks 0
     engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     s = engine.stats

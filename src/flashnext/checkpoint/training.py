@@ -126,6 +126,8 @@ def load_meta(path: str | Path) -> dict[str, Any]:
         CheckpointError: it is missing, not JSON, or not an object with an integer `step`; names the file.
     """
     path = Path(path) / META_FILE
+    if not path.parent.exists():
+        raise CheckpointError(f"{path.parent} does not exist")
     if not path.exists():
         raise CheckpointError(f"{path.parent} is not a training checkpoint (no {META_FILE})")
     try:

@@ -122,7 +122,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /inference/*")
     p.add_argument(
         "--admin-key", default=None,
@@ -141,6 +141,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES} = 8 MiB)",
     )
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: an integer in [0, 65535] (else a one-line usage error naming the value)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}")
+    return port
 
 
 def _listen_socket(host: str, port: int):

@@ -17,7 +17,7 @@ USAGE = """usage: flashnext train [--config RUN.toml] [--resume [latest|DIR] | -
                        [--SECTION.FIELD=V ...]
 
 Train on packed sequences as the run config says (defaults: the embedded tiny model on the bundled corpus).
-  --config PATH        TOML run config (sections model, data, optim, rl, train, checkpoint, log)
+  --config PATH        TOML run config (sections model, data, optim, rl, train, parallel, checkpoint, log)
   --resume [WHERE]     continue from the newest readable checkpoint in <out_dir>/checkpoints, or from WHERE
   --overwrite          start over in an out_dir holding a previous run: delete its metrics.jsonl, checkpoints/,
                        final/ and plots/ first (train.overwrite=true); without it such an out_dir is refused

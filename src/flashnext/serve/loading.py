@@ -52,7 +52,13 @@ def load_for_serving(
     kwargs = {} if ngram_resident_mb is None else {"ngram_resident_mb": ngram_resident_mb}
     model = from_pretrained(path, dtype=dtype, device=device, ngram_storage=ngram_storage, **kwargs)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILE).exists() else None
-    return model, tokenizer, path.resolve().name
+    return model, tokenizer, served_name(path)
+
+
+def served_name(path: Path) -> str:
+    """The model id a checkpoint directory is served as: its name, or for a run's export (`RUN/final`) the run's."""
+    path = path.resolve()
+    return path.parent.name if path.name == "final" and path.parent.name else path.name
 
 
 def checkpoint_dtype(model_dir: str | Path | None) -> torch.dtype:

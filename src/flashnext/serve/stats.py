@@ -155,12 +155,15 @@ def _speculation_lines(s: EngineStats) -> list[str]:
         "# HELP flashnext_spec_replayed_tokens_total tokens fed again after rejected drafts (the rollback)",
         "# TYPE flashnext_spec_replayed_tokens_total counter",
         f"flashnext_spec_replayed_tokens_total {s.spec_replayed_tokens}",
-        "# HELP flashnext_spec_acceptance_rate accepted / verified draft tokens",
-        "# TYPE flashnext_spec_acceptance_rate gauge",
-        f"flashnext_spec_acceptance_rate {s.acceptance_rate:.6f}",
-        "# HELP flashnext_spec_mean_accepted_length tokens emitted per verify step (accepted drafts + 1)",
-        "# TYPE flashnext_spec_mean_accepted_length gauge",
-        f"flashnext_spec_mean_accepted_length {s.mean_accepted_length:.6f}",
     ]
+    if s.spec_verify_steps:  # rates of nothing are not NaN samples: the gauges appear with the first verify step
+        lines += [
+            "# HELP flashnext_spec_acceptance_rate accepted / verified draft tokens",
+            "# TYPE flashnext_spec_acceptance_rate gauge",
+            f"flashnext_spec_acceptance_rate {s.acceptance_rate:.6f}",
+            "# HELP flashnext_spec_mean_accepted_length tokens emitted per verify step (accepted drafts + 1)",
+            "# TYPE flashnext_spec_mean_accepted_length gauge",
+            f"flashnext_spec_mean_accepted_length {s.mean_accepted_length:.6f}",
+        ]
     lines += _quantiles("flashnext_spec_request_acceptance_rate", s.spec_request_acceptance)
     return lines + _quantiles("flashnext_spec_request_mean_accepted_length", s.spec_request_length)
