@@ -30,8 +30,10 @@ import importlib
 import json
 import math
 import numbers
+import os
 import random
 import re
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,6 +326,8 @@ def load_environment(name: str, args: dict[str, Any] | None = None, **common) ->
         cls = BUILTIN[name]
     elif ":" in name:
         module, _, attr = name.partition(":")
+        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does: the working directory's modules
+            sys.path.insert(0, os.getcwd())
         try:
             cls = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -353,4 +354,19 @@ def load_run_config(
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
     origins = Origins(None if path is None else str(path), copy.deepcopy(data), overrides)
     apply_overrides(data, list(overrides or []))
+    _drop_other_envs_args(data, origins)
     return run_config_from_dict(data, origins, cls)
+
+
+def _drop_other_envs_args(data: dict[str, Any], origins: Origins) -> None:
+    """An RL recipe's `env.args` belong to its `env.name`: when the command line names another environment and
+    leaves the args to the file, they are not passed to it (a note on stderr says so)."""
+    env, file_env = data.get("env"), origins.file_data.get("env")
+    if not isinstance(env, dict) or not isinstance(file_env, dict) or "args" not in env:
+        return
+    named_here = origins.of(("env", "name")).endswith("on the command line")
+    args_from_file = origins.of(("env", "args")) == f"from {origins.file}"
+    if named_here and args_from_file and env.get("name") != file_env.get("name", "reverse"):
+        print(f"note: env.args from {origins.file} are for env {file_env.get('name', 'reverse')!r}, not passed to "
+              f"{env.get('name')!r} (give its own with --env.args.KEY=VALUE)", file=sys.stderr)  # fmt: skip
+        del env["args"]
