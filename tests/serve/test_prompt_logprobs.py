@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from serve_helpers import running_server, small_model
+from serve_helpers import StepFault, running_server, small_model
 from spec_helpers import KnownDrafts, spec_model
 
 from flashnext.serve.engine import Engine
@@ -66,6 +66,45 @@ def test_prompt_logprobs_in_chunks_beside_decodes(model):
     for prompt, o, k in zip(PROMPTS, out, (3, 0, 2), strict=False):
         check_table(model, prompt, o.prompt_logprobs, o.prompt_top_logprobs, k)
     assert out[1].prompt_top_logprobs is None and out[3].prompt_logprobs is None
+
+
+def test_prompt_logprobs_after_a_failed_step(model):
+    """A step of several scored prompts fails once: they are recomputed one per step, their tables are rewritten
+    by position (not appended to) and still equal the plain forward's."""
+    engine = Engine(model, None, max_slots=4, max_model_len=64, max_num_batched_tokens=16)
+    with StepFault(model, when=lambda ids, step: len(step.seg.cu_host) > 2, times=1) as fault:
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1))
+                for p in PROMPTS]  # fmt: skip
+        while not all(r.finished for r in reqs):
+            engine.step()
+    assert fault.faults == 1 and all(r.finish_reason == "length" for r in reqs)
+    for p, r in zip(PROMPTS, reqs, strict=True):
+        check_table(model, p, r.prompt_logprobs, r.prompt_top_logprobs, 1)
+
+
+def test_non_finite_prompt_logits_end_that_request_alone(model, monkeypatch):
+    """A NaN at a scored prompt position is no score: that request ends with "error" naming the position; a
+    request in the same steps runs on to the tokens it gives alone."""
+    engine = Engine(model, None, max_slots=4, max_model_len=64, max_num_batched_tokens=64)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    alone = engine.generate([PROMPTS[2]], greedy)[0].token_ids
+    inner = model.forward_step
+
+    def poisoned(ids, step, cache, inputs_embeds=None, **kw):
+        out = inner(ids, step, cache, inputs_embeds=inputs_embeds, **kw)
+        if "rows" in kw:  # the last asked row is the scored request's last prompt position
+            out = out.clone()
+            out[-1] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "forward_step", poisoned)
+    scored = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0))
+    other = engine.add_request(PROMPTS[2], greedy)
+    while not (scored.finished and other.finished):
+        engine.step()
+    assert scored.finish_reason == "error" and f"prompt position(s) [{len(PROMPTS[0]) - 2}]" in scored.error
+    assert other.finish_reason == "length" and other.output_ids == alone
+    assert engine.cache.free_slots == engine.cache.max_slots
 
 
 def test_max_tokens_zero_scores_the_prompt_only_and_choices_share_it(model):
@@ -200,3 +239,16 @@ def test_top_logprobs_keep_the_higher_ranked_of_tokens_with_one_text(server):
     fmt = Formatter("x", "m", tok, [], chat=False)
     top = fmt._top([(a, -0.5), (cat, -1.0), (b, -2.0)])
     assert top == {"\ufffd": -0.5, tok.decode([cat], skip_special_tokens=False): -1.0}
+
+
+def test_text_offsets_of_split_characters(server):
+    """Byte-level tokens that split a character: every offset is a place in the decoded text, the pieces of a
+    character start where it does, and offsets never go back."""
+    from flashnext.serve.formatting import Formatter
+
+    _, _, _, tok = server
+    ids = tok.encode("naïve 😀 wörld, 漢字!")
+    assert "".join(tok.decode([t]) for t in ids) != tok.decode(ids)  # some token really splits a character
+    offsets = Formatter("x", "m", tok, [], chat=False)._offsets(ids, 3)
+    assert offsets == sorted(offsets) and offsets[0] == 3
+    assert offsets == [3 + len(tok.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids))]

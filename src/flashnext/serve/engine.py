@@ -366,12 +366,16 @@ class Engine:
         (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests that asked keep their rows;
         they never carry drafts, see `add_request`); `prompt`: `_forward`'s prompt positions and their logits."""
         if prompt is not None:
-            prompt_logprobs.record(*prompt)
+            for req, why in prompt_logprobs.record(*prompt):  # its own failure, as a non-finite sampled row
+                log.error("request %s failed: %s", req.request_id, why)
+                self._finish(req, "error", why)
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
         rows, to_sample, to_verify, cells = [], [], [], []
         prompt_fed = recomputed = offset = 0
         for i, (req, n) in enumerate(plan):
+            if req.finished:  # failed on its prompt's log-probs just now (its slot is free; row i stays unread)
+                continue
             if req.suspect:
                 recomputed += n
             else:

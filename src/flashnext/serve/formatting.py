@@ -68,10 +68,9 @@ class Formatter:
         if self.tok is None:
             return []
         pieces = [self.tok.decode([t]) for t in ids]
-        if "".join(pieces) != self.tok.decode(ids):  # a token split a character: measure decoded prefixes
-            pieces = [self.tok.decode(ids[: i + 1]) for i in range(len(ids))]
-            starts = [0] + [len(p) for p in pieces[:-1]]
-            return [base + min(a, len(pieces[-1])) for a in starts]
+        if "".join(pieces) != self.tok.decode(ids):  # a token split a character: measure decoded prefixes, where
+            # the pieces of a split character (read as U+FFFD until it is whole) start where the character does
+            return [base + len(self.tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
         out, at = [], base
         for p in pieces:
             out.append(at)

@@ -50,10 +50,11 @@ def stream_rows(entries: list[PromptRows]) -> list[int]:
     return [e.row + j for e in entries for j in range(e.count)]
 
 
-def record(entries: list[PromptRows], logits: torch.Tensor) -> None:
-    """Fill the entries' prompt log-prob tables from `logits` [sum of counts, V] (`stream_rows` order)."""
+def record(entries: list[PromptRows], logits: torch.Tensor) -> list[tuple[Request, str]]:
+    """Fill the entries' prompt log-prob tables from `logits` [sum of counts, V] (`stream_rows` order). Returns the
+    requests whose logits at a scored position are not finite, with why (the engine ends them: a NaN is no score)."""
     if not entries:
-        return
+        return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(
         [e.req.prompt_ids[e.first + 1 + j] for e in entries for j in range(e.count)], device=logprobs.device
@@ -61,8 +62,14 @@ def record(entries: list[PromptRows], logits: torch.Tensor) -> None:
     chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
     top_n = max(e.req.params.prompt_logprobs for e in entries)
     top = torch.topk(logprobs, top_n, dim=-1) if top_n else None
-    at = 0
+    finite = torch.isfinite(logits).all(-1).tolist()
+    failed, at = [], 0
     for e in entries:
+        bad = [e.first + j for j in range(e.count) if not finite[at + j]]
+        if bad:
+            failed.append((e.req, f"the model's logits at prompt position(s) {bad[:8]} are not finite (NaN or inf)"))
+            at += e.count
+            continue
         n_top = e.req.params.prompt_logprobs
         for j in range(e.count):
             pos = e.first + 1 + j
@@ -71,3 +78,4 @@ def record(entries: list[PromptRows], logits: torch.Tensor) -> None:
                 ids, vals = top.indices[at, :n_top].tolist(), top.values[at, :n_top].tolist()
                 e.req.prompt_top_logprobs[pos] = list(zip(ids, vals, strict=True))
             at += 1
+    return failed
