@@ -207,3 +207,45 @@ def test_speculative_tokens_need_an_mtp_head(tmp_path, capsys, command):
     if command == "generate":
         assert cli_main(["generate", "--speculative-tokens", "2", "--max-tokens", "12", "--threads", "1"]) == 0
         assert "drafts accepted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_cancels_requests_in_flight_and_stops_in_one_line(sig):
+    """Ctrl-C / SIGTERM with a long generation running: its client gets the 503 `aborted` body at once (no wait
+    for 2000 tokens), the server says so in one line and exits 130 / by the signal, with no traceback."""
+    import signal
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "flashnext", "serve", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                httpx.get(f"{base}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+                time.sleep(0.3)
+        answers = []
+        body = {"model": "flashnext-tiny", "prompt": "Hi", "max_tokens": 2000, "ignore_eos": True}
+        client = threading.Thread(target=lambda: answers.append(httpx.post(f"{base}/v1/completions", json=body,
+                                                                           timeout=120)))  # fmt: skip
+        client.start()
+        time.sleep(1.0)
+        t0 = time.time()
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+        client.join(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t0 < 30  # did not wait for the 2000 tokens
+    assert proc.returncode == (130 if sig == "SIGINT" else -signal.SIGTERM)
+    assert f"flashnext serve: {sig}: shutting down, cancelling 1 request(s) in flight" in err
+    assert "Traceback" not in err
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "aborted"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 import time
 
@@ -208,9 +209,34 @@ def run_serve(args: argparse.Namespace) -> None:
             f"{engine.device})",
             flush=True,
         )
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        _server_class()(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
+        print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
         sock.close()
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose first SIGINT/SIGTERM also ends every request in flight (their clients get the
+        503 `aborted` error body, or an error event on a stream), so shutting down never waits for long
+        generations; a second signal is uvicorn's own forced exit."""
+
+        def handle_exit(self, sig, frame) -> None:
+            loop = self.config.app.state.routes.loop
+            if not self.should_exit and loop is not None:
+                busy = len(loop.engine.running) + len(loop.engine.waiting)
+                name = signal.Signals(sig).name
+                print(f"flashnext serve: {name}: shutting down, cancelling {busy} request(s) in flight", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                loop.stop()
+            super().handle_exit(sig, frame)
+
+    return Server
+
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
