@@ -230,8 +230,8 @@ def _server_class():
             if not self.should_exit and loop is not None:
                 busy = len(loop.engine.running) + len(loop.engine.waiting)
                 name = signal.Signals(sig).name
-                print(f"flashnext serve: {name}: shutting down, cancelling {busy} request(s) in flight", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                msg = f"flashnext serve: {name}: shutting down, cancelling {busy} request(s) in flight"
+                print(msg, file=sys.stderr, flush=True)
                 loop.stop()
             super().handle_exit(sig, frame)
 
