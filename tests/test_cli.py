@@ -121,3 +121,12 @@ def test_train_error_through_the_console_entry_has_no_traceback(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr == f"flashnext train: error: {tmp_path} is not a training checkpoint (no meta.json)\n"
+
+
+def test_a_run_config_for_the_other_command_says_which_runs_it(capsys):
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny-rl.toml")]) == 1
+    err = capsys.readouterr().err
+    assert "orchestrator: unknown key" in err and "is an RL run config" in err and "flashnext rl --config" in err
+    assert main(["rl", "--config", SHIPPED, "--print-config"]) == 1
+    err = capsys.readouterr().err
+    assert "none of the RL ones" in err and "flashnext train --config" in err

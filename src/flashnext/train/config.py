@@ -319,7 +319,24 @@ def run_config_from_dict(
         return cls.model_validate(data)
     except ValidationError as e:
         lines = [_problem(err, origins) for err in e.errors()]
-        raise ConfigError("invalid run config: " + "; ".join(lines)) from None
+        raise ConfigError("invalid run config: " + "; ".join(lines) + _other_command_hint(origins, cls)) from None
+
+
+RL_KEYS = ("warm_start", "orchestrator", "env", "inference")  # what only an RL run config (`flashnext rl`) has
+
+
+def _other_command_hint(origins: Origins, cls: type[RunConfig]) -> str:
+    """When a run config meant for the other command fails: which command runs it."""
+    if origins.file is None:
+        return ""
+    rl_keys = [k for k in RL_KEYS if k in origins.file_data]
+    is_rl = set(RL_KEYS) <= set(cls.model_fields)
+    if rl_keys and not is_rl:
+        return f"; {origins.file} is an RL run config ({', '.join(rl_keys)}): run it with flashnext rl --config"
+    if not rl_keys and is_rl and "data" in origins.file_data:
+        return (f"; {origins.file} has a [data] section and none of the RL ones ({', '.join(RL_KEYS)}): if it is an "
+                "SFT run config, run it with flashnext train --config")  # fmt: skip
+    return ""
 
 
 def _problem(err: dict, origins: Origins) -> str:
