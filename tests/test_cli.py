@@ -130,3 +130,35 @@ def test_a_run_config_for_the_other_command_says_which_runs_it(capsys):
     assert main(["rl", "--config", SHIPPED, "--print-config"]) == 1
     err = capsys.readouterr().err
     assert "none of the RL ones" in err and "flashnext train --config" in err
+
+
+_WAIT_POLICY_PROBE = """
+import os, sys
+
+class Probe:  # records OMP_WAIT_POLICY at the moment torch is first imported (when OpenMP reads it)
+    seen = "torch never imported"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and Probe.seen == "torch never imported":
+            Probe.seen = os.environ.get("OMP_WAIT_POLICY", "unset")
+        return None
+
+sys.meta_path.insert(0, Probe())
+from flashnext.cli import main
+main(["generate", "--prompt", "Hi", "--max-tokens", "1"])
+print("policy-at-torch-import:", Probe.seen)
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_every_command_sets_openmp_waiting_before_torch_loads(given, expected):
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads: the command line must set its default (passive: threads
+    sleep while they wait, which keeps a busy box fast) before anything imports torch; a value the user set wins."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    out = subprocess.run([sys.executable, "-c", _WAIT_POLICY_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"policy-at-torch-import: {expected}" in out.stdout, out.stdout + out.stderr

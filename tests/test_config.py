@@ -301,12 +301,14 @@ def test_mtp_config_errors_name_the_field(make, over, message):
     assert make(mtp={"num_hidden_layers": 1, "rope_theta": 1e4, "layer_types": ["full_attention"]}).mtp_layers == 1
 
 
-def test_the_shipped_recipes_agree_on_threads():
-    """`flashnext rl` warm-starts from tiny-sft.toml: the two recipes run with the same thread setting (one thread:
-    the tiny model gains little from a second, and a busy box slows two spinning threads down far more)."""
+def test_the_shipped_recipes_leave_threads_to_the_command():
+    """`flashnext rl` warm-starts from tiny-sft.toml: both recipes run with the command's thread default (every core,
+    OpenMP threads that sleep while they wait: `cli/_env.py`), which `benchmarks/threads_under_load.py` measured as
+    the fastest on a busy box; a recipe pinning its own count would undo that for the one run a new user starts."""
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    threads = {p.name: tomllib.loads(p.read_text())["train"].get("threads") for p in root.glob("tiny-*.toml")}
-    assert set(threads) >= {"tiny-sft.toml", "tiny-rl.toml"} and set(threads.values()) == {1}, threads
+    recipes = {p.name: tomllib.loads(p.read_text())["train"] for p in root.glob("tiny-*.toml")}
+    assert set(recipes) >= {"tiny-sft.toml", "tiny-rl.toml"}, recipes
+    assert {name: t["threads"] for name, t in recipes.items() if "threads" in t} == {}

@@ -21,6 +21,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from flashnext.cli import _env  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
 from flashnext.cli.checkpoints import _add_convert_args, _add_quantize_args, run_convert, run_quantize
 from flashnext.cli.demo import DemoCheckFailed, _add_demo_args, _add_flops_args, run_demo, run_flops
 from flashnext.cli.rl import main as _run_rl
