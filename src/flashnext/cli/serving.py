@@ -24,9 +24,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument(
         "--decode-graph", choices=["auto", "on", "off"], default="auto",
-        help="run decode-only steps as one fixed-shape graph per batch bucket: inductor-compiled on CPU (minutes "
-        "per bucket on a few cores, cached on disk for the next start), a captured CUDA graph on CUDA (seconds); "
+        help="run decode-only steps as one fixed-shape graph per batch bucket: inductor-compiled on CPU in the "
+        "background (minutes per bucket on a few cores; decode steps run eager until their bucket is compiled; "
+        "cached on disk, see --compile-cache), a captured CUDA graph on CUDA (seconds, before serving); "
         "auto: on for CUDA, off for CPU (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile-cache", default=None, metavar="DIR",
+        help="inductor's on-disk cache of compiled decode graphs, reused by the next start (default "
+        "$TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/flashnext/inductor)",
     )  # fmt: skip
     p.add_argument(
         "--decode-buckets", default=None, metavar="N,N,...",
@@ -64,6 +70,7 @@ def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):
+    from flashnext.serve.decode_graph import use_compile_cache
     from flashnext.serve.engine import Engine
     from flashnext.serve.loading import checkpoint_dtype, load_for_serving
 
@@ -82,6 +89,8 @@ def _build_engine(args: argparse.Namespace):
             "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"
         )
     graph = args.decode_graph == "on" or (args.decode_graph == "auto" and device.type == "cuda")
+    if graph and device.type == "cpu":
+        use_compile_cache(args.compile_cache)
     try:
         engine = Engine(
             model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
@@ -199,10 +208,8 @@ def run_serve(args: argparse.Namespace) -> None:
         app, name, engine = _serve_app(args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
-        if engine.decode_graph is not None:  # compile / capture every bucket before the first request waits on it
-            print(f"preparing the decode step for batch buckets {engine.decode_graph.buckets} ...", flush=True)
-            took = engine.decode_graph.warmup()
-            print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
+        if engine.decode_graph is not None:
+            _prepare_decode_graph(engine.decode_graph)
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
         print(
             f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots}, {dtype} on "
@@ -215,6 +222,23 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     finally:
         sock.close()
+
+
+def _prepare_decode_graph(graph) -> None:
+    """CUDA: capture every bucket now (seconds). CPU: compile them in the background (minutes each): the server is
+    ready at once, decode steps run eager until their bucket is compiled (logged as each switches)."""
+    if graph.cuda:
+        print(f"capturing the decode step for batch buckets {graph.buckets} ...", flush=True)
+        took = graph.warmup()
+        print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
+        return
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    print(
+        f"compiling the decode step for batch buckets {graph.buckets} in the background (cache {cache}); decode "
+        "steps run eager until their bucket is compiled",
+        flush=True,
+    )
+    graph.compile_in_background()
 
 
 def _server_class():
@@ -277,6 +301,7 @@ def run_generate(args: argparse.Namespace) -> None:
         seed=args.sample_seed, stop_token_ids=stop_ids,
     )  # fmt: skip
     start = time.perf_counter()
+    graph = _generate_graph(engine)
     out = engine.generate([prompt], params)[0]
     seconds = time.perf_counter() - start
     print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
@@ -288,3 +313,50 @@ def run_generate(args: argparse.Namespace) -> None:
         f"ids={out.token_ids}",
         file=sys.stderr,
     )
+    if graph is not None:
+        _finish_graph(graph, start)
+
+
+def _generate_graph(engine):
+    """`generate --decode-graph` on CPU: compile the one bucket a single prompt decodes in (batch 1) in the
+    background and start generating eagerly at once; the decode steps switch to the graph when it is ready (a line
+    says so). CUDA: capture it now (seconds). Returns the graph still compiling, if any."""
+    graph = engine.decode_graph
+    if graph is None:
+        return None
+    N = graph.bucket(1)
+    if graph.cuda:
+        graph.warmup([N])
+        return None
+    start = time.perf_counter()
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    print(f"# decode graph: compiling batch bucket {N} in the background (cache {cache}); decoding eagerly until it "
+          "is ready", file=sys.stderr, flush=True)  # fmt: skip
+
+    def ready(bucket: int, took: float) -> None:
+        at = time.perf_counter() - start
+        print(f"# decode graph: bucket {bucket} compiled in {took:.1f} s; decode steps run it from {at:.1f} s on",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    graph.compile_in_background([N], on_ready=ready)
+    return graph
+
+
+def _finish_graph(graph, start: float) -> None:
+    """Wait for a compile still running after the generation, so that the next run finds it in the compile cache,
+    with a progress line every 15 s; Ctrl-C leaves it (one line, exit 130)."""
+    if not graph.background.is_alive():
+        return
+    try:
+        while not _join(graph.background, 15.0):
+            took = time.perf_counter() - start
+            print(f"# decode graph: still compiling ... {took:.0f} s (for the compile cache; Ctrl-C skips)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("flashnext generate: decode graph compile skipped (SIGINT)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _join(thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
