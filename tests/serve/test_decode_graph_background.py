@@ -112,6 +112,25 @@ def test_steps_run_eager_until_their_bucket_is_compiled_then_switch(model):
         gate.open.set()
 
 
+def test_eager_steps_see_weight_updates_while_a_bucket_compiles(model):
+    """While a compile session is open in the background thread (torch's `is_compiling()` flag then reads True in
+    every thread), the engine's eager steps still refresh the fused weights: an in-place update of a fused group's
+    member made meanwhile gives the tokens and log-probs of a fresh eager engine over the updated model."""
+    gate = Gate()
+    engine, ran = _graph_engine(model, gate)
+    try:
+        engine.decode_graph.compile_in_background()
+        assert gate.entered.wait(60)
+        with torch.no_grad():
+            model.model.layers[0].linear_attn.in_proj_qkv.weight.mul_(1.5)  # member of the fused in-projection
+        got = engine.generate(_prompts(), PARAMS)
+        assert ran == []
+    finally:
+        gate.open.set()
+    engine.decode_graph.background.join(60)
+    _same(got, Engine(model, **KW).generate(_prompts(), PARAMS))
+
+
 def test_a_bucket_whose_compile_fails_stays_eager(model, caplog):
     """A compile that raises is logged and leaves its bucket eager (tokens unchanged); the other bucket compiles."""
     calls = []
