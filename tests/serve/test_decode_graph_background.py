@@ -24,6 +24,8 @@ import pytest
 import torch
 from serve_helpers import running_server, small_model
 
+from flashnext.cli import main as cli_main
+from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.server import build_app
@@ -183,6 +185,24 @@ def test_compile_cache_flag_points_inductor_at_the_directory(tmp_path, monkeypat
     assert use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c")
     assert use_compile_cache(None) == str(tmp_path / "c")  # the variable set by the user (or above) is kept
+
+
+def test_generate_starts_eagerly_and_says_when_it_switches(tmp_path, capsys, monkeypatch):
+    """`generate --decode-graph on` compiles its one bucket (batch 1) in the background, says so and when it is
+    compiled, and prints the tokens of the plain `generate` (the compile backend is "eager" here: the wiring, not
+    inductor, is under test; the slow test below runs inductor)."""
+    init = DecodeGraph.__init__
+    monkeypatch.setattr(DecodeGraph, "__init__", lambda self, m, c, b=None, backend=None: init(self, m, c, b, "eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # restored after the test (the flag sets it)
+    common = ["--ids", "5,9,14,3,7", "--max-tokens", "8", "--threads", "1", "--max-slots", "2"]
+    assert cli_main(["generate", *common]) == 0
+    eager = capsys.readouterr()
+    assert cli_main(["generate", "--decode-graph", "on", "--compile-cache", str(tmp_path / "c"), *common]) == 0
+    graph = capsys.readouterr()
+    assert graph.out == eager.out
+    assert eager.err.split("ids=")[1] == graph.err.split("ids=")[1].split("\n")[0] + "\n"
+    assert f"compiling batch bucket 1 in the background (cache {tmp_path / 'c'})" in graph.err
+    assert "# decode graph: bucket 1 compiled in" in graph.err
 
 
 @pytest.mark.slow

@@ -208,15 +208,16 @@ def run_serve(args: argparse.Namespace) -> None:
         app, name, engine = _serve_app(args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
+        server = _server_class()(uvicorn.Config(app, log_level="warning"))
         if engine.decode_graph is not None:
-            _prepare_decode_graph(engine.decode_graph)
+            server.after_startup = _prepare_decode_graph(engine.decode_graph)
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
         print(
             f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots}, {dtype} on "
             f"{engine.device})",
             flush=True,
         )
-        _server_class()(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
         print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
@@ -224,21 +225,22 @@ def run_serve(args: argparse.Namespace) -> None:
         sock.close()
 
 
-def _prepare_decode_graph(graph) -> None:
-    """CUDA: capture every bucket now (seconds). CPU: compile them in the background (minutes each): the server is
-    ready at once, decode steps run eager until their bucket is compiled (logged as each switches)."""
+def _prepare_decode_graph(graph):
+    """CUDA: capture every bucket now (seconds). CPU: return what starts compiling them in the background (minutes
+    each), which the server calls once it listens (so the compile does not slow its start): the server is ready at
+    once, and decode steps run eager until their bucket is compiled (logged as each switches)."""
     if graph.cuda:
         print(f"capturing the decode step for batch buckets {graph.buckets} ...", flush=True)
         took = graph.warmup()
         print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
-        return
+        return None
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     print(
         f"compiling the decode step for batch buckets {graph.buckets} in the background (cache {cache}); decode "
         "steps run eager until their bucket is compiled",
         flush=True,
     )
-    graph.compile_in_background()
+    return graph.compile_in_background
 
 
 def _server_class():
@@ -247,7 +249,15 @@ def _server_class():
     class Server(uvicorn.Server):
         """uvicorn's server, whose first SIGINT/SIGTERM also ends every request in flight (their clients get the
         503 `aborted` error body, or an error event on a stream), so shutting down never waits for long
-        generations; a second signal is uvicorn's own forced exit."""
+        generations; a second signal is uvicorn's own forced exit. `after_startup`, if set, is called once it
+        listens."""
+
+        after_startup = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.after_startup is not None and not self.should_exit:
+                self.after_startup()
 
         def handle_exit(self, sig, frame) -> None:
             loop = self.config.app.state.routes.loop
