@@ -205,6 +205,42 @@ def test_generate_starts_eagerly_and_says_when_it_switches(tmp_path, capsys, mon
     assert "# decode graph: bucket 1 compiled in" in graph.err
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_bucket_compiles_stops_in_one_line(tmp_path, sig):
+    """Ctrl-C / SIGTERM while inductor compiles a bucket in the background (a fresh compile cache: a minute or
+    more here, so still compiling): exit 130 / by the signal within seconds, without the abort ("terminate called
+    without an active exception", SIGABRT) that finalising the interpreter around the compile thread gave."""
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "flashnext", "serve", "--port", str(port), "--threads", "1", "--max-slots", "1",
+           "--decode-graph", "on", "--compile-cache", str(tmp_path / "cache")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+                time.sleep(0.3)
+        assert health["decode_graph"]["pending"] == [1]
+        time.sleep(5.0)  # well inside the compile (the abort came from some of its phases only)
+        t0 = time.time()
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t0 < 30
+    assert proc.returncode == (130 if sig == "SIGINT" else -signal.SIGTERM), err
+    assert "terminate called" not in err and "Traceback" not in err
+    assert f"flashnext serve: {sig}: shutting down" in err
+
+
 @pytest.mark.slow
 def test_serve_with_real_compile_is_ready_before_it_and_tokens_match(tmp_path):
     """`flashnext serve --decode-graph on` with a cold compile cache (a fresh dir): /health answers with the

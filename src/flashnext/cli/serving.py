@@ -204,6 +204,7 @@ def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     sock = _listen_socket(args.host, args.port)  # a port in use fails here, before any "serving" line
+    engine = None
     try:
         app, name, engine = _serve_app(args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -218,8 +219,10 @@ def run_serve(args: argparse.Namespace) -> None:
             flush=True,
         )
         server.run(sockets=[sock])
+        _exit_if_compiling(engine.decode_graph, 0)
     except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
         print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
+        _exit_if_compiling(engine and engine.decode_graph, 130)
         raise SystemExit(130) from None
     finally:
         sock.close()
@@ -241,6 +244,16 @@ def _prepare_decode_graph(graph):
         flush=True,
     )
     return graph.compile_in_background
+
+
+def _exit_if_compiling(graph, code: int) -> None:
+    """Exit at once with `code` while a decode-graph compile still runs in its daemon thread: it cannot be stopped,
+    and finalising the interpreter around it aborts the process (SIGABRT from torch's C++ side, measured). The
+    compile is lost; nothing else is pending (the requests were ended, output is flushed)."""
+    if graph is not None and graph.background is not None and graph.background.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _server_class():
@@ -364,6 +377,7 @@ def _finish_graph(graph, start: float) -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
     except KeyboardInterrupt:
         print("flashnext generate: decode graph compile skipped (SIGINT)", file=sys.stderr, flush=True)
+        _exit_if_compiling(graph, 130)
         raise SystemExit(130) from None
 
 
