@@ -42,14 +42,18 @@ def model(small_config):
 
 
 class Gate:
-    """A compiler backend that holds every compile until `open` is set (then returns the traced graph unchanged,
-    as the "eager" backend does); `entered` is set once a compile is waiting."""
+    """A compiler backend that holds every compile (after the first `let_through`) until `open` is set, then returns
+    the traced graph unchanged, as the "eager" backend does; `entered` is set once a compile is waiting."""
 
-    def __init__(self):
+    def __init__(self, let_through: int = 0):
         self.open = threading.Event()
         self.entered = threading.Event()
+        self.let_through = let_through
 
     def __call__(self, gm, example_inputs):
+        if self.let_through > 0:
+            self.let_through -= 1
+            return gm.forward
         self.entered.set()
         if not self.open.wait(120):
             raise TimeoutError("the test never opened the gate")
@@ -112,6 +116,23 @@ def test_steps_run_eager_until_their_bucket_is_compiled_then_switch(model):
         assert graph.compiles == 2
     finally:
         gate.open.set()
+
+
+def test_a_compiled_bucket_runs_while_the_next_one_compiles(model):
+    """Bucket 1 compiled, bucket 2's compile held (a compile session open in the other thread): the batch-1 decode
+    steps run the graph, the batch-2 ones eager, in one generation, with the eager engine's tokens."""
+    want = Engine(model, **KW).generate(_prompts(), PARAMS)
+    gate = Gate(let_through=1)
+    engine, ran = _graph_engine(model, gate)
+    try:
+        engine.decode_graph.compile_in_background()
+        assert gate.entered.wait(60) and engine.decode_graph.ready == {1}
+        _same(engine.generate(_prompts(), PARAMS), want)
+        assert ran == [1] * 7  # the longer request's steps alone; the 6 steps of two ran eager
+        assert engine.decode_graph.background.is_alive()
+    finally:
+        gate.open.set()
+    engine.decode_graph.background.join(60)
 
 
 def test_eager_steps_see_weight_updates_while_a_bucket_compiles(model):
