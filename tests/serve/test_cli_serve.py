@@ -172,10 +172,11 @@ def test_bad_device_is_named(capsys, device, needle):
     assert err.startswith("flashnext generate: error: --device ") and needle in err
 
 
-def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path):
+def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monkeypatch):
     """--dtype auto serves a bf16 checkpoint in bf16 and an fp32 one in fp32 (--dtype float32 overrides);
     --decode-graph on builds the engine's decode graph over the given buckets (compiled on first use), off none."""
     torch.set_num_threads(1)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # --decode-graph on sets it
     model, tok, _ = load_for_serving(None)
     model.save_pretrained(tmp_path / "fp32")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

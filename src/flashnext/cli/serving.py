@@ -24,9 +24,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument(
         "--decode-graph", choices=["auto", "on", "off"], default="auto",
-        help="run decode-only steps as one fixed-shape graph per batch bucket: inductor-compiled on CPU (minutes "
-        "per bucket on a few cores, cached on disk for the next start), a captured CUDA graph on CUDA (seconds); "
+        help="run decode-only steps as one fixed-shape graph per batch bucket: inductor-compiled on CPU in the "
+        "background (minutes per bucket on a few cores; decode steps run eager until their bucket is compiled; "
+        "cached on disk, see --compile-cache), a captured CUDA graph on CUDA (seconds, before serving); "
         "auto: on for CUDA, off for CPU (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile-cache", default=None, metavar="DIR",
+        help="inductor's on-disk cache of compiled decode graphs, reused by the next start (default "
+        "$TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/flashnext/inductor)",
     )  # fmt: skip
     p.add_argument(
         "--decode-buckets", default=None, metavar="N,N,...",
@@ -64,6 +70,7 @@ def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):
+    from flashnext.serve.decode_graph import use_compile_cache
     from flashnext.serve.engine import Engine
     from flashnext.serve.loading import checkpoint_dtype, load_for_serving
 
@@ -82,6 +89,8 @@ def _build_engine(args: argparse.Namespace):
             "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"
         )
     graph = args.decode_graph == "on" or (args.decode_graph == "auto" and device.type == "cuda")
+    if graph and device.type == "cpu":
+        use_compile_cache(args.compile_cache)
     try:
         engine = Engine(
             model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
@@ -195,26 +204,56 @@ def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     sock = _listen_socket(args.host, args.port)  # a port in use fails here, before any "serving" line
+    engine = None
     try:
         app, name, engine = _serve_app(args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
-        if engine.decode_graph is not None:  # compile / capture every bucket before the first request waits on it
-            print(f"preparing the decode step for batch buckets {engine.decode_graph.buckets} ...", flush=True)
-            took = engine.decode_graph.warmup()
-            print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
+        server = _server_class()(uvicorn.Config(app, log_level="warning"))
+        if engine.decode_graph is not None:
+            server.after_startup = _prepare_decode_graph(engine.decode_graph)
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
         print(
             f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots}, {dtype} on "
             f"{engine.device})",
             flush=True,
         )
-        _server_class()(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        server.run(sockets=[sock])
+        _exit_if_compiling(engine.decode_graph, 0)
     except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
         print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
+        _exit_if_compiling(engine and engine.decode_graph, 130)
         raise SystemExit(130) from None
     finally:
         sock.close()
+
+
+def _prepare_decode_graph(graph):
+    """CUDA: capture every bucket now (seconds). CPU: return what starts compiling them in the background (minutes
+    each), which the server calls once it listens (so the compile does not slow its start): the server is ready at
+    once, and decode steps run eager until their bucket is compiled (logged as each switches)."""
+    if graph.cuda:
+        print(f"capturing the decode step for batch buckets {graph.buckets} ...", flush=True)
+        took = graph.warmup()
+        print("decode step ready: " + ", ".join(f"{b}: {t:.1f}s" for b, t in took.items()), flush=True)
+        return None
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    print(
+        f"compiling the decode step for batch buckets {graph.buckets} in the background (cache {cache}); decode "
+        "steps run eager until their bucket is compiled",
+        flush=True,
+    )
+    return graph.compile_in_background
+
+
+def _exit_if_compiling(graph, code: int) -> None:
+    """Exit at once with `code` while a decode-graph compile still runs in its daemon thread: it cannot be stopped,
+    and finalising the interpreter around it aborts the process (SIGABRT from torch's C++ side, measured). The
+    compile is lost; nothing else is pending (the requests were ended, output is flushed)."""
+    if graph is not None and graph.background is not None and graph.background.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _server_class():
@@ -223,7 +262,15 @@ def _server_class():
     class Server(uvicorn.Server):
         """uvicorn's server, whose first SIGINT/SIGTERM also ends every request in flight (their clients get the
         503 `aborted` error body, or an error event on a stream), so shutting down never waits for long
-        generations; a second signal is uvicorn's own forced exit."""
+        generations; a second signal is uvicorn's own forced exit. `after_startup`, if set, is called once it
+        listens."""
+
+        after_startup = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.after_startup is not None and not self.should_exit:
+                self.after_startup()
 
         def handle_exit(self, sig, frame) -> None:
             loop = self.config.app.state.routes.loop
@@ -277,6 +324,7 @@ def run_generate(args: argparse.Namespace) -> None:
         seed=args.sample_seed, stop_token_ids=stop_ids,
     )  # fmt: skip
     start = time.perf_counter()
+    graph = _generate_graph(engine)
     out = engine.generate([prompt], params)[0]
     seconds = time.perf_counter() - start
     print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
@@ -288,3 +336,51 @@ def run_generate(args: argparse.Namespace) -> None:
         f"ids={out.token_ids}",
         file=sys.stderr,
     )
+    if graph is not None:
+        _finish_graph(graph, start)
+
+
+def _generate_graph(engine):
+    """`generate --decode-graph` on CPU: compile the one bucket a single prompt decodes in (batch 1) in the
+    background and start generating eagerly at once; the decode steps switch to the graph when it is ready (a line
+    says so). CUDA: capture it now (seconds). Returns the graph still compiling, if any."""
+    graph = engine.decode_graph
+    if graph is None:
+        return None
+    N = graph.bucket(1)
+    if graph.cuda:
+        graph.warmup([N])
+        return None
+    start = time.perf_counter()
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    print(f"# decode graph: compiling batch bucket {N} in the background (cache {cache}); decoding eagerly until it "
+          "is ready", file=sys.stderr, flush=True)  # fmt: skip
+
+    def ready(bucket: int, took: float) -> None:
+        at = time.perf_counter() - start
+        print(f"# decode graph: bucket {bucket} compiled in {took:.1f} s; decode steps run it from {at:.1f} s on",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    graph.compile_in_background([N], on_ready=ready)
+    return graph
+
+
+def _finish_graph(graph, start: float) -> None:
+    """Wait for a compile still running after the generation, so that the next run finds it in the compile cache,
+    with a progress line every 15 s; Ctrl-C leaves it (one line, exit 130)."""
+    if not graph.background.is_alive():
+        return
+    try:
+        while not _join(graph.background, 15.0):
+            took = time.perf_counter() - start
+            print(f"# decode graph: still compiling ... {took:.0f} s (for the compile cache; Ctrl-C skips)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("flashnext generate: decode graph compile skipped (SIGINT)", file=sys.stderr, flush=True)
+        _exit_if_compiling(graph, 130)
+        raise SystemExit(130) from None
+
+
+def _join(thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()

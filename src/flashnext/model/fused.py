@@ -51,7 +51,10 @@ def linear(
 
 
 def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+    """Whether dynamo is tracing this code. Not `torch.compiler.is_compiling()`: that is a process-wide flag held
+    for a whole compile session, so it also reads True in eager code running in another thread meanwhile (an
+    engine stepping eager while its decode graph compiles in the background)."""
+    return torch.compiler.is_dynamo_compiling()
 
 
 def apply_linear(m: nn.Linear, x: torch.Tensor, fused: bool = False, contiguous: bool = True) -> torch.Tensor:
@@ -123,7 +126,7 @@ class Group:
         Inside a compiled graph the check (host reads of storage addresses and version counters) is skipped: the
         fused tensors are graph inputs, and the graph's caller refreshes them before each call (`refresh`).
         """
-        if not torch.compiler.is_compiling():
+        if not _compiling():
             self.refresh()
         _, _, weight, bias, sizes = self._built
         return weight, bias, sizes

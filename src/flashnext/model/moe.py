@@ -69,7 +69,8 @@ class Experts(nn.Module):
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
         if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
             return self._gathered(x, flat_e, weights, fused)
-        if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
+        # dynamo tracing, not torch.compiler.is_compiling() (process-wide during any compile: see fused._compiling)
+        if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_dynamo_compiling():
             return self._reduced(x, flat_e, weights)
         if static:
             return self._dense(x, experts, weights)

@@ -6,7 +6,9 @@ static step (`model.state.make_decode_step`): its metadata are device tensors, e
 (padding into the scratch slot), QSA blocks are planned on the device, so the step has no host sync and its
 shapes depend on the bucket alone. Per bucket it is then
 - on CPU, compiled with inductor (`torch.compile(fullgraph=True, dynamic=False)`: a graph break, i.e. a host
-  read inside the step, is an error), once, at `warmup` or on the bucket's first step;
+  read inside the step, is an error), once, at `warmup`, on the bucket's first step, or in a background thread
+  (`compile_in_background`, what `serve` does: the engine runs a bucket's steps eager until its graph is
+  compiled, then switches; compiled graphs persist in inductor's disk cache, `use_compile_cache`);
 - on CUDA, captured as a CUDA graph (`torch.cuda.CUDAGraph`) of the eager static step, replayed with the step's
   ids / slots / positions copied into the captured input tensors.
 Prefill (and any step holding a prompt chunk or an image prompt) stays on the engine's eager, chunked path.
@@ -26,9 +28,11 @@ Legend: n real entries, N the bucket (n <= N), V vocab.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,6 +43,8 @@ from flashnext.model.state import make_decode_step
 log = logging.getLogger("flashnext.serve")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_COMPILE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "flashnext", "inductor")
+RECOMPILES_PER_BUCKET = 2  # a parameter replaced by a tensor of another kind may recompile a bucket once
 
 
 def bucket_sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
@@ -55,6 +61,17 @@ def bucket_sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
     if not sizes or sizes[-1] < max_slots:
         sizes.append(max_slots)  # every decode batch fits some bucket
     return sizes
+
+
+def use_compile_cache(path: str | None = None) -> str:
+    """Point inductor's on-disk cache (compiled graphs: its FX graph and AOTAutograd caches, both on by default) at
+    `path`, else at `$TORCHINDUCTOR_CACHE_DIR` when set, else at `DEFAULT_COMPILE_CACHE` (which survives reboots,
+    unlike inductor's own default under /tmp); returns the directory. Call it before the first compile: inductor
+    reads the variable when it first looks up its cache.
+    """
+    chosen = path or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.expanduser(DEFAULT_COMPILE_CACHE)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen = os.path.abspath(os.path.expanduser(chosen))
+    return chosen
 
 
 def decode_only(plan) -> bool:
@@ -103,8 +120,10 @@ class DecodeGraph:
         self.compiles = 0  # graphs handed to the compiler backend (one per bucket used, when nothing recompiles)
         self.compile_seconds: dict[int, float] = {}  # bucket -> wall time of its first (compiling) call
         self.cuda = self.device.type == "cuda"
+        self.ready: set[int] = set()  # buckets whose graph is compiled (captured) and has run once
+        self.background: threading.Thread | None = None  # the thread compiling buckets (`compile_in_background`)
         self._captured: dict[int, _CapturedStep] = {}
-        self._compiled = None
+        self._compiled: dict[int, Callable] = {}
         if not self.cuda:
             inner = torch._dynamo.lookup_backend(backend)
 
@@ -112,12 +131,15 @@ class DecodeGraph:
                 self.compiles += 1
                 return inner(gm, example_inputs)
 
-            # Dynamo keeps its compiled entries per code object: a private copy of `_step`'s code gives this instance
-            # its own cache (one entry per bucket), gone with the instance, never shared with another engine's.
-            step = types.FunctionType(DecodeGraph._step.__code__.replace(), globals(), "decode_step").__get__(self)
-            self._compiled = torch.compile(
-                step, backend=counting, fullgraph=True, dynamic=False, recompile_limit=len(self.buckets)
-            )
+            # Dynamo keeps its compiled entries per code object: a private copy of `_step`'s code per bucket gives
+            # each bucket its own cache entry, gone with the instance, never shared with another engine's or
+            # another bucket's (a bucket compiling in the background never touches the entry the engine is using).
+            for N in self.buckets:
+                code = DecodeGraph._step.__code__.replace(co_name=f"decode_step_{N}")
+                step = types.FunctionType(code, globals(), f"decode_step_{N}").__get__(self)
+                self._compiled[N] = torch.compile(
+                    step, backend=counting, fullgraph=True, dynamic=False, recompile_limit=RECOMPILES_PER_BUCKET
+                )
 
     def _step(self, ids: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         """The static decode step: ids, slots, cached int64 [N] -> logits [N, V] (padding rows included)."""
@@ -128,6 +150,13 @@ class DecodeGraph:
         """The smallest bucket holding n entries (None: more than the largest)."""
         return next((b for b in self.buckets if b >= n), None)
 
+    def ready_for(self, n: int) -> bool:
+        """Whether a decode step of n entries should run as the graph now. While `compile_in_background` runs,
+        only once its bucket is compiled (until then the engine runs the step eager); otherwise always (a bucket
+        not compiled yet compiles on its first step)."""
+        N = self.bucket(n)
+        return N is not None and (self.background is None or N in self.ready)
+
     def run(self, ids: list[int], slots: list[int], cached: list[int]) -> torch.Tensor:
         """One decode step of n entries (token `ids[i]` into slot `slots[i]` after `cached[i]` tokens).
 
@@ -137,6 +166,9 @@ class DecodeGraph:
         Returns:
             logits [n, V] of the entries in order (the padding rows dropped; a view into the graph's output, valid
             until the next `run`).
+
+        Raises:
+            RuntimeError: the bucket is still being compiled in the background (ask `ready_for` first).
         """
         with torch.inference_mode():
             return self._run(ids, slots, cached)
@@ -146,22 +178,33 @@ class DecodeGraph:
         N = self.bucket(n)
         if N is None:
             raise ValueError(f"a decode step of {n} entries exceeds the largest bucket {self.buckets[-1]}")
-        pad = N - n
-        dev = self.device
-        ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long, device=dev)
-        slots_t = torch.tensor(slots + [self.cache.scratch_slot] * pad, dtype=torch.long, device=dev)
-        cached_t = torch.tensor(cached + [0] * pad, dtype=torch.long, device=dev)
-        fused.refresh(self.groups)
+        if self.background is not None and N not in self.ready:
+            raise RuntimeError(f"decode bucket {N} is still compiling in the background; run this step eager")
+        fused.refresh(self.groups)  # weights changed since the last step are seen by this one
+        logits = self._call(N, *self._inputs(ids, slots, cached, N))
+        return logits[:n]
+
+    def _inputs(self, ids: list[int], slots: list[int], cached: list[int], N: int) -> tuple[torch.Tensor, ...]:
+        """ids, slots, cached padded to N entries (padding: token 0 at row 0 of the scratch slot), on the device."""
+        pad, dev = N - len(ids), self.device
+        return (
+            torch.tensor(ids + [0] * pad, dtype=torch.long, device=dev),
+            torch.tensor(slots + [self.cache.scratch_slot] * pad, dtype=torch.long, device=dev),
+            torch.tensor(cached + [0] * pad, dtype=torch.long, device=dev),
+        )
+
+    def _call(self, N: int, ids_t, slots_t, cached_t) -> torch.Tensor:
+        """Bucket N's graph on padded inputs; its first call compiles (captures) it, timed (and logged, unless the
+        background thread compiles it: that logs its own progress line)."""
         first = N not in self.compile_seconds
         start = time.perf_counter()
-        if self.cuda:
-            logits = self._replay(N, ids_t, slots_t, cached_t)
-        else:
-            logits = self._compiled(ids_t, slots_t, cached_t)
+        logits = self._replay(N, ids_t, slots_t, cached_t) if self.cuda else self._compiled[N](ids_t, slots_t, cached_t)
         if first:
             self.compile_seconds[N] = time.perf_counter() - start
-            log.info("decode step for batch bucket %d ready in %.1f s", N, self.compile_seconds[N])
-        return logits[:n]
+            self.ready.add(N)
+            if threading.current_thread() is not self.background:
+                log.info("decode step for batch bucket %d ready in %.1f s", N, self.compile_seconds[N])
+        return logits
 
     def warmup(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
         """Compile (capture) the given buckets (default all) now, with steps of padding entries only (they touch
@@ -172,7 +215,60 @@ class DecodeGraph:
         return dict(self.compile_seconds)
 
     def _warm(self, N: int) -> None:
-        self.run([0] * N, [self.cache.scratch_slot] * N, [0] * N)  # padding entries only: the scratch slot
+        with torch.inference_mode():  # padding entries only: the scratch slot
+            self._call(N, *self._inputs([], [], [], N))
+
+    def compile_in_background(
+        self, buckets: Sequence[int] | None = None, on_ready: Callable[[int, float], None] | None = None
+    ) -> threading.Thread:
+        """Compile the given buckets (default all, smallest first) in a daemon thread; returns it (started).
+
+        Until a bucket is compiled, `ready_for` says False for its steps and the engine runs them eager; the
+        thread marks a bucket ready only after its graph has run once (a padding-only step, on the scratch slot),
+        so the engine never calls a graph that is still compiling. Each bucket has its own compiled code object
+        (see `__init__`): the engine stepping a ready bucket and this thread compiling the next never share dynamo
+        state. The thread does not refresh the fused weights (the engine's steps do, before every graph call), so a
+        weight update is seen by the next engine step as ever. A bucket that fails to compile is logged and stays
+        eager. `on_ready(bucket, seconds)` is called from the thread as each bucket switches to its graph.
+
+        On CUDA the capture needs the device to itself: do not call this there, use `warmup` (seconds).
+        """
+        if self.cuda:
+            raise ConfigError("compile_in_background is for the CPU graph; on CUDA capture the buckets with warmup()")
+        if self.background is not None:
+            raise RuntimeError("the decode buckets are already compiling in the background")
+        todo = [N for N in (self.buckets if buckets is None else buckets) if N not in self.ready]
+        threads = torch.get_num_threads()  # intra-op threads are per OS thread: the worker uses the caller's count
+        self.background = threading.Thread(
+            target=self._compile_all, args=(todo, threads, on_ready), name="flashnext-decode-graph", daemon=True
+        )
+        self.background.start()
+        return self.background
+
+    def _compile_all(self, todo: list[int], threads: int, on_ready) -> None:
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        for i, N in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            try:
+                self._warm(N)
+            except Exception:  # the engine keeps running this bucket's steps eager
+                log.exception("compiling decode bucket %d failed; its decode steps stay eager", N)
+                continue
+            took = time.perf_counter() - t0
+            log.info(
+                "decode bucket %d/%d (batch %d) compiled in %.1f s (%.1f s since start): its steps now run the graph",
+                i, len(todo), N, took, time.perf_counter() - start,
+            )  # fmt: skip
+            if on_ready is not None:
+                on_ready(N, took)
+        done = [N for N in todo if N in self.ready]
+        log.info("decode graph: %d/%d buckets compiled in %.1f s %s", len(done), len(todo),
+                 time.perf_counter() - start, done)  # fmt: skip
+
+    def compiling(self) -> list[int]:
+        """Buckets not compiled yet (all of them before a compile started)."""
+        return [N for N in self.buckets if N not in self.ready]
 
     def _replay(self, N: int, ids, slots, cached) -> torch.Tensor:
         """CUDA: replay bucket N's graph (captured first, or again if a parameter moved to a new address)."""

@@ -21,7 +21,8 @@ without speculation, prompt chunks and decodes share a step.
 Decode graph (`decode_graph=True`): a decode-only step (every entry one token past its prefilled prompt, no
 MRoPE, no speculating request) runs as `serve.decode_graph.DecodeGraph`'s fixed-shape step, compiled (CPU) or
 captured (CUDA) once per batch bucket; every other step (prefill chunks, speculative draft/verify steps) stays
-eager. Its logits are the eager step's to float rounding (tested).
+eager, and so does a decode step whose bucket is still compiling in the background (`compile_in_background`).
+Its logits are the eager step's to float rounding (tested).
 
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
@@ -327,7 +328,7 @@ class Engine:
         stream's routed experts [T, L, k] when a request of the plan asked for them (else None); and the prompt
         positions whose log-probs were asked, with their logits (`serve.prompt_logprobs`; None when none). A
         decode-only step without speculation or routing runs as the decode graph, when the engine has one."""
-        if self.decode_graph is not None and decode_only(plan):
+        if self.decode_graph is not None and decode_only(plan) and self.decode_graph.ready_for(len(plan)):
             logits = self.decode_graph.run(
                 [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
                 [req.num_cached for req, _ in plan],

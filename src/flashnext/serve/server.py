@@ -187,7 +187,11 @@ class Routes:
         self.images: dict = {"model_dir": model_dir}  # the image processor, made on first use
 
     async def health(self):
-        return {"status": "ok"}
+        # With a decode graph, its compiled and pending buckets: serving starts before they compile (eager until then).
+        graph = self.engine.decode_graph
+        if graph is None:
+            return {"status": "ok"}
+        return {"status": "ok", "decode_graph": {"compiled": sorted(graph.ready), "pending": graph.compiling()}}
 
     def _card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "flashnext"}
