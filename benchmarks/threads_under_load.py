@@ -43,7 +43,8 @@ def run_recipe(setting: str, steps: int, out: Path) -> float:
         elif part.startswith("spin="):
             env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"] = "ACTIVE", part.removeprefix("spin=")
         elif part != "default":
-            raise SystemExit(f"unknown setting part {part!r} in {setting!r}: use default, threads=T, +passive, +active, +spin=N")
+            choices = "default, threads=T, +passive, +active, +spin=N"
+            raise SystemExit(f"unknown setting part {part!r} in {setting!r}: use {choices}")
     cmd = [sys.executable, "-m", "flashnext", "train", "--config", str(ROOT / "configs/tiny-sft.toml")]
     cmd += [f"--out_dir={out}", "--overwrite", *args]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
