@@ -310,3 +310,15 @@ def test_the_shipped_recipes_agree_on_threads():
     root = Path(__file__).resolve().parents[1] / "configs"
     threads = {p.name: tomllib.loads(p.read_text())["train"].get("threads") for p in root.glob("tiny-*.toml")}
     assert set(threads) >= {"tiny-sft.toml", "tiny-rl.toml"} and set(threads.values()) == {1}, threads
+
+
+def test_the_shipped_sft_recipe_trains_the_draft_head():
+    """Serving the tiny SFT recipe's model with speculative decoding needs a trained MTP head (an untrained one
+    accepts ~2% of drafts); `flashnext rl` warm-starts from the same run."""
+    from pathlib import Path
+
+    from flashnext.train.config import load_run_config
+    from flashnext.train.setup import model_text_config
+
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-sft.toml")
+    assert cfg.train.mtp_loss_weight > 0 and model_text_config(cfg).mtp_layers == 1
