@@ -17,6 +17,11 @@ drafted) and the mean accepted length (tokens per verify step, the one the targe
 speculative run's tokens are compared with the k = 0 run's (greedy speculation is exact; a difference can only
 come from a near tie moved by float rounding).
 
+`--prompts sft` measures what serving a model trained by `configs/tiny-sft.toml` sees instead (e.g. `--model
+runs/tiny-sft/final`): the prompts are that recipe's 80 held-out examples (their text up to the first answer token:
+"Q: What is 7 plus 34?\nA:", chat turns), all of them at each batch size (`--batches` sets the engine's slots),
+up to `--new-tokens` each, stopping at EOS as a server does; tok/s counts the tokens actually generated.
+
 Output:
     trained <n> steps in <s>s: loss <x>, mtp_loss <y>          (or: loaded <dir>)
     batch=<b> k=<k> tok/s=<x> speedup=<x> acceptance=<a> mean_length=<l> same_tokens=<yes|no>
@@ -25,6 +30,7 @@ Output:
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --train-steps 60 --repeats 3 --save /tmp/spec-tiny
     python benchmarks/spec_decode.py --model /tmp/spec-tiny
+    python benchmarks/spec_decode.py --model runs/tiny-sft/final --prompts sft --batches 1 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
 from flashnext.tokenizer import load_tokenizer
 from flashnext.train.config import load_run_config
+from flashnext.train.loss import IGNORE_INDEX
+from flashnext.train.setup import load_examples
 from flashnext.train.trainer import Trainer
 
 KS = (0, 3, 1)
@@ -90,28 +98,38 @@ def prompts(tok, batch: int) -> list[list[int]]:
     return [tok.encode(" ".join(lines[i * step].split()[:4])) for i in range(batch)]
 
 
-def run(model, batch_prompts: list[list[int]], k: int, new_tokens: int):
-    """(tok/s, engine stats, outputs) of one greedy generation with k draft tokens."""
+def sft_prompts(tok) -> list[list[int]]:
+    """The held-out examples of `configs/tiny-sft.toml`, each cut before its first answer token."""
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-sft.toml")
+    _, held_out = load_examples(cfg, tok)
+    return [ex.input_ids[: next(i for i, y in enumerate(ex.labels) if y != IGNORE_INDEX)] for ex in held_out]
+
+
+def run(model, batch_prompts: list[list[int]], k: int, new_tokens: int, slots: int | None = None, eos: bool = False):
+    """(tok/s, engine stats, outputs) of one greedy generation with k draft tokens (`slots`: the engine's, default
+    one per prompt; `eos`: stop at EOS, else generate `new_tokens` each)."""
     longest = max(len(p) for p in batch_prompts)
-    engine = Engine(model, None, max_slots=len(batch_prompts), max_model_len=longest + new_tokens + 1,
+    engine = Engine(model, None, max_slots=slots or len(batch_prompts), max_model_len=longest + new_tokens + 1,
                     max_num_batched_tokens=512, num_speculative_tokens=k)  # fmt: skip
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=not eos)
     t0 = time.perf_counter()
     outs = engine.generate(batch_prompts, params)
     seconds = time.perf_counter() - t0
-    return len(batch_prompts) * new_tokens / seconds, engine.stats, [o.token_ids for o in outs]
+    return sum(len(o.token_ids) for o in outs) / seconds, engine.stats, [o.token_ids for o in outs]
 
 
-def bench(model, tok, batch: int, new_tokens: int, repeats: int) -> dict[int, tuple[float, float, float, float, bool]]:
+def bench(model, tok, batch: int, new_tokens: int, repeats: int, sft: list[list[int]] | None = None
+          ) -> dict[int, tuple[float, float, float, float, bool]]:  # fmt: skip
     """Per k: (median tok/s, median speedup over k = 0 within a repeat, acceptance, mean accepted length, same
-    tokens as k = 0)."""
-    batch_prompts = prompts(tok, batch)
+    tokens as k = 0). `sft`: these prompts, all of them through `batch` slots, stopping at EOS."""
+    batch_prompts = prompts(tok, batch) if sft is None else sft
+    slots, eos = (None, False) if sft is None else (batch, True)
     rates: dict[int, list[float]] = {k: [] for k in KS}
     last: dict[int, tuple] = {}
-    run(model, batch_prompts, 3, 8)  # warm-up (first-call allocations)
+    run(model, batch_prompts[:batch], 3, 8)  # warm-up (first-call allocations)
     for _ in range(repeats):
         for k in KS:
-            rate, stats, tokens = run(model, batch_prompts, k, new_tokens)
+            rate, stats, tokens = run(model, batch_prompts, k, new_tokens, slots, eos)
             rates[k].append(rate)
             last[k] = (stats, tokens)
     out = {}
@@ -132,6 +150,12 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--prompts",
+        choices=["corpus", "sft"],
+        default="corpus",
+        help="corpus: the bundled corpus's lines; sft: configs/tiny-sft.toml's held-out prompts",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tok = load_tokenizer()
@@ -144,8 +168,9 @@ def main(argv=None) -> None:
             tok.save(args.save)
     print(summary, flush=True)
     results = {}
+    sft = sft_prompts(tok) if args.prompts == "sft" else None
     for batch in args.batches:
-        results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats)
+        results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats, sft)
         for k in sorted(KS):
             rate, speedup, acc, length, same = results[batch][k]
             same = "yes" if same else "no"

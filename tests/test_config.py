@@ -312,3 +312,15 @@ def test_the_shipped_recipes_leave_threads_to_the_command():
     recipes = {p.name: tomllib.loads(p.read_text())["train"] for p in root.glob("tiny-*.toml")}
     assert set(recipes) >= {"tiny-sft.toml", "tiny-rl.toml"}, recipes
     assert {name: t["threads"] for name, t in recipes.items() if "threads" in t} == {}
+
+
+def test_the_shipped_sft_recipe_trains_the_draft_head():
+    """Serving the tiny SFT recipe's model with speculative decoding needs a trained MTP head (an untrained one
+    accepts ~2% of drafts); `flashnext rl` warm-starts from the same run."""
+    from pathlib import Path
+
+    from flashnext.train.config import load_run_config
+    from flashnext.train.setup import model_text_config
+
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-sft.toml")
+    assert cfg.train.mtp_loss_weight > 0 and model_text_config(cfg).mtp_layers == 1

@@ -31,6 +31,7 @@ from flashnext.parallel import (
     init_distributed,
     load_state,
     parallelize,
+    parameter_counts,
     save_state,
 )
 from flashnext.parallel.optim import shard_aware_optimizers
@@ -232,6 +233,7 @@ def run_rank(rank: int, world: int, root: str, restore_from: str | None = None) 
     out = {"log": log, "resumed_log": resumed_log, "extra": extra, "files": [f.name for f in files]}
     tables = [m for m in model.modules() if isinstance(m, OwnerRoutedEmbedding)]
     out["table_ranges"] = [(m.row_start, m.row_end, m.weight.shape[0]) for m in tables]
+    out["param_counts"] = (*parameter_counts(model), sum(p.numel() for p in model.parameters()))
     if restore_from is not None:  # a checkpoint written at another world size
         other = meta_parallel_model(None, ctx.mesh)
         other_opt = new_optimizer(other)

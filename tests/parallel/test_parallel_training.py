@@ -104,6 +104,19 @@ def test_tables_hold_local_rows_only(world, root):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_parameter_count_is_the_whole_models_at_any_world_size(world, root):
+    """`parameter_counts` gives every rank the unsharded model's count (what one process prints), and the ranks'
+    shares add up to it; summing `numel()` over the parameters does not (it sees only the local table rows)."""
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in FlashNextForCausalLM(pc.small_model_config()).parameters())
+    counts = [r["param_counts"] for r in results(world, root)]
+    assert [total for total, _, _ in counts] == [whole] * world
+    assert sum(local for _, local, _ in counts) == whole
+    if world > 1:
+        assert all(local < whole and naive < whole for _, local, naive in counts)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_dcp_restore_is_exact(world, root):
     """A fresh model (other init) restored from the step-2 checkpoint continues exactly like the uninterrupted run."""
     for res in results(world, root):

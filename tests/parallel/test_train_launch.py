@@ -3,6 +3,7 @@ checkpoint resumes in one process."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,14 +32,15 @@ def _data(path, n=16, vocab=64, rl=False):
     return path
 
 
-def _torchrun_2(args: list[str], out_dir) -> None:
-    """`torchrun --nproc-per-node 2 -m flashnext train` (gloo) with 2 micro-batches per rank."""
+def _torchrun_2(args: list[str], out_dir) -> str:
+    """`torchrun --nproc-per-node 2 -m flashnext train` (gloo) with 2 micro-batches per rank; returns its stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "flashnext", "train", *args, f"--out_dir={out_dir}",
            "--data.micro_batches=2"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 def _metrics(run_dir):
@@ -60,10 +62,18 @@ def test_torchrun_world_size_2_equals_one_process_and_resumes_in_one(small_confi
         "--model.overrides=" + toml_literal(small_config),
     ]
     # the same global batch: 4 micro-batches in one process, 2 per rank on 2 ranks (gradient sync on the last only)
-    single = Trainer(load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"]))
+    said = []
+    single = Trainer(
+        load_run_config(None, [*common, f"--out_dir={tmp_path / 'one'}", "--data.micro_batches=4"]), say=said.append
+    )
     single.run()
 
-    _torchrun_2(common, tmp_path / "two")
+    printed = _torchrun_2(common, tmp_path / "two")
+    # the same whole-model parameter count (ranks hold halves of the n-gram table and of every FSDP2 shard)
+    one_count = re.search(r"model: ([\d.]+)M params on", "\n".join(said))
+    two_count = re.search(r"model: ([\d.]+)M params \(([\d.]+)M held by rank 0 of 2\) on", printed)
+    assert one_count and two_count, printed[:2000]
+    assert two_count[1] == one_count[1] and float(two_count[2]) < float(one_count[1])
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert [m["step"] for m in two] == [1, 2, 3]  # rank 0 alone writes metrics
     for a, b in zip(one, two, strict=True):

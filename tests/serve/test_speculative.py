@@ -11,6 +11,8 @@ rounding, so a divergence is allowed only where the plain run's top-2 logits are
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from flashnext.errors import ConfigError
 from flashnext.model.state import POSITIONAL
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import FieldError, SamplingParams
-from flashnext.serve.stats import prometheus_text
+from flashnext.serve.stats import EngineStats, prometheus_text
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +338,52 @@ def test_metrics_report_acceptance(model):
     assert f"flashnext_spec_mean_accepted_length {length:.6f}" in text
     assert "flashnext_spec_request_acceptance_rate_count 4" in text
     assert "flashnext_spec_request_mean_accepted_length_count 4" in text
+
+
+# ---- the low-acceptance warning -------------------------------------------------------------------------------
+def _low_acceptance_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "draft tokens were accepted" in r.getMessage()]
+
+
+def test_an_untrained_head_warns_once_that_drafting_does_not_pay(model, caplog):
+    """The random head's drafts are almost all rejected: after the first window of drafts one warning names the
+    rate, the threshold and both ways out; the ~850 drafts after it (three more windows) warn no more."""
+    engine = _engine(model, 3)
+    with caplog.at_level(logging.WARNING, logger="flashnext.serve"):
+        engine.generate(PROMPTS[:4], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    s = engine.stats
+    assert s.spec_drafted >= 4 * s.acceptance_window and s.acceptance_rate < 0.1
+    (line,) = _low_acceptance_warnings(caplog)
+    window = re.search(r"\b\d+\.\d% of the last (\d+) draft tokens were accepted, below 10%", line)
+    assert window and s.acceptance_window <= int(window[1]) < s.acceptance_window + 3  # whole verify steps of 3
+    assert "--speculative-tokens 0" in line and "--train.mtp_loss_weight" in line
+
+
+def test_drafts_that_are_mostly_right_do_not_warn(model, caplog):
+    """Drafts of the plain continuation with 10% of tokens made wrong (acceptance ~0.8): no warning."""
+    prompts, params = PROMPTS[:6], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    plain = _engine(model, 0).generate(prompts, params)
+    engine = _engine(model, 3)
+    KnownDrafts(engine, {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}, p_wrong=0.1)
+    with caplog.at_level(logging.WARNING, logger="flashnext.serve"):
+        engine.generate(prompts, params)
+    assert engine.stats.spec_drafted >= 2 * engine.stats.acceptance_window
+    assert engine.stats.acceptance_rate > 0.5 and _low_acceptance_warnings(caplog) == []
+
+
+def test_the_warning_takes_a_full_window_below_the_threshold(caplog):
+    """A window of 256 drafts decides against the default 10%: 25 accepted (9.8%) warns, 26 (10.2%) does not;
+    fewer drafts never warn."""
+    with caplog.at_level(logging.WARNING, logger="flashnext.serve"):
+        s = EngineStats()
+        assert (s.low_acceptance, s.acceptance_window) == (0.1, 256)
+        for _ in range(255):  # 255 drafts, none accepted: not a full window yet
+            s.speculation(1, 0, 1)
+        assert _low_acceptance_warnings(caplog) == []
+        s = EngineStats()
+        for i in range(128):  # 256 drafts in verify steps of 2
+            s.speculation(2, int(i < 26), 0)
+        assert _low_acceptance_warnings(caplog) == [] and not s.low_acceptance_warned
+        for i in range(256):  # the next window: 25 of 256
+            s.speculation(1, int(i < 25), 0)
+        assert len(_low_acceptance_warnings(caplog)) == 1 and "9.8% of the last 256" in caplog.text

@@ -20,7 +20,13 @@ from flashnext.parallel.context import ContextGroup, ContextLayout, DistributedS
 from flashnext.parallel.dcp import load_state, save_state
 from flashnext.parallel.dist import DistContext, destroy_distributed, init_distributed
 from flashnext.parallel.export import export_pretrained
-from flashnext.parallel.fsdp import ParallelConfig, clip_grad_norm_distributed, local_row_params, parallelize
+from flashnext.parallel.fsdp import (
+    ParallelConfig,
+    clip_grad_norm_distributed,
+    local_row_params,
+    parallelize,
+    parameter_counts,
+)
 from flashnext.parallel.init import init_weights_local
 from flashnext.parallel.optim import gather_step, shard_aware_optimizers
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding, row_ranges, swap_ngram_embeddings
@@ -42,6 +48,7 @@ __all__ = [
     "load_state",
     "local_row_params",
     "parallelize",
+    "parameter_counts",
     "plan_layout",
     "row_ranges",
     "save_state",

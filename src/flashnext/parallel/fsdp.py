@@ -37,7 +37,7 @@ from flashnext.errors import ConfigError
 from flashnext.parallel.init import init_weights_local
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding, swap_ngram_embeddings
 
-__all__ = ["ParallelConfig", "parallelize", "local_row_params", "clip_grad_norm_distributed"]
+__all__ = ["ParallelConfig", "parallelize", "local_row_params", "clip_grad_norm_distributed", "parameter_counts"]
 
 
 class ParallelConfig(BaseModel):
@@ -145,6 +145,26 @@ def local_row_params(model: nn.Module) -> list[nn.Parameter]:
     Frozen stored-dtype tables (`OwnerRoutedEmbedding.from_stored`) hold buffers, not parameters: not listed.
     """
     return [m.weight for m in model.modules() if isinstance(m, OwnerRoutedEmbedding) and not m.frozen]
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(the whole model's parameters, this rank's share of them), the same whole-model count at any world size.
+
+    An FSDP2 shard (DTensor) counts its full shape in the first and its local shard in the second; an owner-routed
+    table counts its whole table (`num_embeddings x embedding_dim`) and its local rows; anything else (a plain
+    model, replicated parameters) counts the same in both. Frozen stored-dtype tables hold buffers: in neither.
+    """
+    tables = {id(m.weight): m for m in model.modules() if isinstance(m, OwnerRoutedEmbedding) and not m.frozen}
+    total = local = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            total, local = total + p.numel(), local + p.to_local().numel()
+        elif id(p) in tables:
+            table = tables[id(p)]
+            total, local = total + table.num_embeddings * table.embedding_dim, local + p.numel()
+        else:
+            total, local = total + p.numel(), local + p.numel()
+    return total, local
 
 
 @torch.no_grad()

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
+
+log = logging.getLogger("flashnext.serve")
+
+# Below this share of accepted drafts, speculation is a loss. A verify step with k drafts yields 1 + a*k tokens
+# (a: acceptance) and costs a decode step plus, per draft, its share of the verify step and one head step: ~0.5 of
+# a decode step per draft for the tiny model on CPU (docs/ARCHITECTURE.md, benchmarks/spec_decode.py), so k = 3
+# breaks even near a = 0.5 there; a large model on a GPU (head ~2% of the model) breaks even at a few percent. An
+# untrained head drafts at chance (the tiny SFT model trained without the MTP loss: 1.5% at k = 3, 4% at k = 1 on
+# held-out prompts), a trained one far above (configs/tiny-sft.toml: 34% at k = 3, 53% at k = 1; a per-position
+# acceptance of 0.55 still gives 15% at k = 8). 0.1 tells the two apart and is below the tiny model's break-even.
+LOW_ACCEPTANCE = 0.1
+ACCEPTANCE_WINDOW = 256  # drafts per acceptance check: enough that one unlucky request does not decide it
 
 
 class EngineStats:
@@ -16,9 +29,13 @@ class EngineStats:
     Args:
         window: latency samples kept (TTFT, TPOT of the most recent finished requests).
         rate_seconds: span of the recent-rate window (`recent_rates`).
+        low_acceptance: the draft acceptance rate below which speculation costs more than it saves; the first
+            `acceptance_window` drafts (counted in consecutive windows) accepted below it log one warning.
+        acceptance_window: drafts per acceptance check.
     """
 
-    def __init__(self, window: int = 1000, rate_seconds: float = 10.0):
+    def __init__(self, window: int = 1000, rate_seconds: float = 10.0, low_acceptance: float = LOW_ACCEPTANCE,
+                 acceptance_window: int = ACCEPTANCE_WINDOW):  # fmt: skip
         self.rate_seconds = rate_seconds
         self.prompt_tokens = 0  # prompt tokens prefilled (once per prompt: n choices share it)
         self.generated_tokens = 0
@@ -38,6 +55,9 @@ class EngineStats:
         self.spec_replayed_tokens = 0
         self.spec_request_acceptance: deque[float] = deque(maxlen=window)
         self.spec_request_length: deque[float] = deque(maxlen=window)
+        self.low_acceptance, self.acceptance_window = low_acceptance, acceptance_window
+        self.low_acceptance_warned = False  # once per engine (per server run)
+        self._window_drafted = self._window_accepted = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (end time, prompt tokens, sampled tokens)
         self._lock = threading.Lock()
 
@@ -59,6 +79,26 @@ class EngineStats:
         self.spec_accepted += accepted
         self.spec_verify_steps += 1
         self.spec_replayed_tokens += replay
+        if not self.low_acceptance_warned:
+            self._check_acceptance(drafted, accepted)
+
+    def _check_acceptance(self, drafted: int, accepted: int) -> None:
+        """Warn once when a full window of drafts was accepted below `low_acceptance` (drafting then slows the
+        requests down: an untrained MTP head)."""
+        self._window_drafted += drafted
+        self._window_accepted += accepted
+        if self._window_drafted < self.acceptance_window:
+            return
+        n, rate = self._window_drafted, self._window_accepted / self._window_drafted
+        self._window_drafted = self._window_accepted = 0
+        if rate < self.low_acceptance:
+            self.low_acceptance_warned = True
+            log.warning(
+                "speculative decoding: %.1f%% of the last %d draft tokens were accepted, below %.0f%%, where drafting "
+                "costs more than it saves (the MTP head is likely untrained): serve with --speculative-tokens 0, or "
+                "train the head (flashnext train --train.mtp_loss_weight=W; configs/tiny-sft.toml uses 0.1)",
+                100 * rate, n, 100 * self.low_acceptance,
+            )  # fmt: skip
 
     @property
     def acceptance_rate(self) -> float:

@@ -501,10 +501,9 @@ class Trainer:
             self.peak_flops = measure_peak_flops(self.device, DTYPES[cfg.train.compute_dtype])
         else:
             self.peak_flops = float(cfg.log.peak_flops)
-        n_params = sum(p.numel() for p in self.model.parameters())
         held_out = f", {self.evaluator.num_examples} held out" if self.evaluator else ""
         self.say(
-            f"model: {n_params / 1e6:.2f}M params on {self.device} ({_precision(cfg)}); "
+            f"model: {_params_text(self.model, self.ctx)} on {self.device} ({_precision(cfg)}); "
             f"{len(self.loader.examples)} examples{held_out}, token budget {cfg.data.token_budget} x "
             f"{cfg.data.micro_batches} micro-batches x {self.ctx.world_size} rank(s); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device; steps {self.step} -> {cfg.train.steps}"
@@ -572,6 +571,17 @@ class Trainer:
             if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
                 self.tokenizer.save(tmp)
             run_dir.swap_in(tmp, path)
+
+
+def _params_text(model, ctx: DistContext) -> str:
+    """The whole model's parameter count, the same under torchrun as in one process (FSDP2 shards and owner-routed
+    tables count their full shapes), and under torchrun rank 0's share of it."""
+    if not ctx.distributed:
+        return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params"
+    from flashnext.parallel import parameter_counts
+
+    total, local = parameter_counts(model)
+    return f"{total / 1e6:.2f}M params ({local / 1e6:.2f}M held by rank 0 of {ctx.world_size})"
 
 
 def _precision(cfg: RunConfig) -> str:
