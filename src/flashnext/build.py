@@ -12,21 +12,15 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from flashnext.checkpoint.files import TORCH_DTYPES, checkpoint_files, data_offsets, read_headers
-from flashnext.checkpoint.fp8 import dequantize_rows
+from flashnext.checkpoint.files import checkpoint_files, read_headers
 from flashnext.checkpoint.load import load_checkpoint
-from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB, OnDiskNGramTable
-from flashnext.checkpoint.ngram_tables import FP8, STORAGES, TableOnDisk, inspect_table, ngram_tables
-from flashnext.checkpoint.quantize import row_chunks
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
-from flashnext.model.ngram_nf4 import NF4NGramTable
-from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
+from flashnext.ngram import DEFAULT_RESIDENT_MB, fill_quantized_tables, prepare_ngram_storage
 
 log = logging.getLogger("flashnext")
 
@@ -96,11 +90,10 @@ def from_pretrained(
         path: checkpoint directory (`config.json` + `model.safetensors` or shards with an index).
         dtype: floating-point dtype of the parameters.
         device: where the parameters live.
-        ngram_storage: how the PLE n-gram tables are held (`flashnext.checkpoint.ngram_tables`): `auto` (FP8
+        ngram_storage: how the PLE n-gram tables are held (`flashnext.ngram.storage`): `auto` (FP8
             tables stay FP8 and frozen, others are trainable `nn.Embedding`s in `dtype`), `dense` (all in `dtype`,
             FP8 upcast shard by shard), `stored` (all frozen in their stored dtype) or `mmap` (rows read from the
-            files on lookup, `checkpoint/ngram_ondisk.py`) or `nf4` (4-bit rows quantised at load, lossy,
-            `model/ngram_nf4.py`).
+            files on lookup, `ngram/ondisk.py`) or `nf4` (4-bit rows quantised at load, lossy, `ngram/nf4.py`).
         ngram_resident_mb: with `mmap`, MiB of recently read rows cached in memory per table (0: none).
 
     Returns:
@@ -135,87 +128,6 @@ def from_pretrained(
         raise
     fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
     return model.eval()
-
-
-# ---- n-gram table storage (`ngram_storage=`): which module holds each PLE table -------------------------------
-def prepare_ngram_storage(
-    model: nn.Module, path: str | Path, storage: str, *, dtype: torch.dtype, style: str, resident_mb: float
-) -> None:
-    """Swap each table module of a model still on `meta` for the one `storage` asks for (see the module doc).
-
-    Call after the model's dtype cast and before `to_empty`: a `StoredNGramTable` keeps its stored dtype and
-    is allocated by `to_empty`; an on-disk (`mmap`) table allocates nothing. Tables with problems keep their
-    `nn.Embedding`, so `load_checkpoint` reports every problem in one error (an on-disk table is never
-    read by the loader, so for `mmap` its problems are raised here).
-
-    Raises:
-        CheckpointError: an unknown `storage`, or (for `mmap`) a table the files cannot serve.
-    """
-    if storage not in STORAGES:
-        raise CheckpointError(f"ngram_storage={storage!r}: expected one of {STORAGES}")
-    if storage == "dense":
-        return
-
-    files, weight_map = checkpoint_files(path)
-    headers, unreadable, lost = read_headers(files, weight_map)
-    for our_key, ngram in ngram_tables(model):
-        table, problems = inspect_table(our_key, style, headers)
-        rows, width = ngram.ngram_embedding.weight.shape
-        if storage in ("mmap", "nf4"):  # tables the loader never reads: their problems are raised here
-            if table is None and unreadable:  # its rows may be in a file that cannot be read: name that file
-                raise CheckpointError(f"ngram_storage={storage!r}: cannot read {our_key} from {str(path)!r}",
-                                      unreadable)  # fmt: skip
-            if table is None:
-                raise CheckpointError(f"ngram_storage={storage!r}: no n-gram table rows of {our_key} in {str(path)!r}")
-            if problems:
-                raise CheckpointError(f"ngram_storage={storage!r}: cannot read {our_key} from {str(path)!r}", problems)
-        if storage == "mmap":
-            ngram.ngram_embedding = OnDiskNGramTable(table, rows, width, dtype=dtype, resident_mb=resident_mb)
-        elif storage == "nf4":
-            ngram.ngram_embedding = _nf4_table(table, rows, width, dtype)
-        elif table is not None and not problems and (storage == "stored" or table.dtype == FP8):
-            if table.dtype not in TORCH_DTYPES or any(s[0] in lost for s in table.shards):
-                continue  # unreadable: the loader reports it
-            scale = table.scale
-            ngram.ngram_embedding = StoredNGramTable(
-                rows, width, storage_dtype=TORCH_DTYPES[table.dtype], dtype=dtype,
-                scale_dtype=TORCH_DTYPES[scale[3]] if scale else None, scale_shape=scale[2] if scale else (),
-                device="meta",
-            )  # fmt: skip
-
-
-def _nf4_table(table: TableOnDisk, rows: int, width: int, dtype: torch.dtype) -> nn.Module:
-    """An `NF4NGramTable` on `meta`, filled after allocation by `fill_quantized_tables` from `table`'s files."""
-    if table.rows != rows or any(len(s[2]) != 2 or s[2][1] != width for s in table.shards):
-        raise CheckpointError(
-            f"ngram_storage='nf4': {table.disk_pre} holds {table.rows} rows, expected [{rows}, {width}]"
-        )
-    module = NF4NGramTable(rows, width, dtype=dtype, device="meta")
-    module.source = table
-    module.disk_keys = frozenset([s[0] for s in table.shards] + ([table.scale[0]] if table.scale else []))
-    return module
-
-
-@torch.no_grad()
-def fill_quantized_tables(model: nn.Module) -> None:
-    """Quantise the stored rows of every NF4 table (`ngram_storage="nf4"`) into it, a 1 MiB piece at a time.
-
-    FP8 rows are dequantised with their scale first (`dequantize_rows` to fp32), other dtypes cast to fp32.
-    """
-    for module in model.modules():
-        table = getattr(module, "source", None)
-        if not isinstance(table, TableOnDisk) or not hasattr(module, "fill"):
-            continue
-        scale = None
-        if table.scale is not None:
-            with safe_open(table.scale[1], framework="pt") as f:
-                scale = f.get_tensor(table.scale[0])
-        start = 0
-        for key, file, _, _ in table.shards:
-            base, header = data_offsets(file)
-            for rows in row_chunks(file, base, header[key]):
-                module.fill(start, dequantize_rows(rows, scale, torch.float32))
-                start += rows.shape[0]
 
 
 def _stores_mtp(path: str | Path) -> bool:

@@ -18,9 +18,9 @@ import flashnext
 from flashnext.checkpoint.layout import ngram_shard_rows
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError
-from flashnext.model.ngram_nf4 import NF4NGramTable, dequantize_nf4, quantize_nf4
-from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
+from flashnext.ngram.nf4 import NF4NGramTable, dequantize_nf4, quantize_nf4
+from flashnext.ngram.stored import StoredNGramTable
 
 TABLE = "model.layers.1.ple.ple_embedding.ngram_embedding"
 SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flashnext.model.ngram_nf4 import NF4_LEVELS, SCALE_GRID, NF4NGramTable, dequantize_nf4, quantize_nf4
+from flashnext.ngram.nf4 import NF4_LEVELS, SCALE_GRID, NF4NGramTable, dequantize_nf4, quantize_nf4
 
 
 def test_levels_are_the_lloyd_max_quantiser_of_a_unit_gaussian():

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 import flashnext
 from flashnext.checkpoint.quantize import quantize_checkpoint
-from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
+from flashnext.ngram.stored import StoredNGramTable
 from flashnext.parallel import (
     OwnerRoutedEmbedding,
     ParallelConfig,

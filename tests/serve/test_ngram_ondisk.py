@@ -19,11 +19,11 @@ from serve_helpers import small_model
 from torch import nn
 
 import flashnext
-from flashnext.checkpoint.ngram_ondisk import OnDiskNGramTable
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.cli import main as cli_main
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError, InputError
+from flashnext.ngram.ondisk import OnDiskNGramTable
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
 from flashnext.synthetic import write_synthetic_checkpoint

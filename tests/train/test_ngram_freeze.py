@@ -10,12 +10,12 @@ from safetensors import safe_open
 from torch import nn
 
 import flashnext
-from flashnext.checkpoint.ngram_ondisk import OnDiskNGramTable
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.config import parse_config
 from flashnext.errors import ConfigError
-from flashnext.model.ngram_table import StoredNGramTable
 from flashnext.model.text import FlashNextForCausalLM
+from flashnext.ngram.ondisk import OnDiskNGramTable
+from flashnext.ngram.stored import StoredNGramTable
 from flashnext.train.config import load_run_config, toml_literal
 from flashnext.train.optim import FROZEN
 from flashnext.train.trainer import Trainer

@@ -1,4 +1,4 @@
-"""How each PLE n-gram table is stored in a checkpoint, and how the model keeps it in memory.
+"""How each PLE n-gram table is stored in a checkpoint.
 
 On disk a table is `...ple_embedding.ngram_embedding.shard_{j}.weight` row chunks (or one whole
 `...ngram_embedding.weight`, as `model.state_dict()` saves it) in one dtype: BF16/FP32 (or F16), or the official
@@ -6,19 +6,8 @@ FP8 layout: `F8_E4M3` shards plus one `...ngram_embedding.weight_scale` per tabl
 single value, stored as F32, BF16 or F16 depending on the exporter; rows dequantise as `rows * scale`).
 `F8_E5M2` shards and FP8 shards without their scale are refused.
 
-Storage modes (`from_pretrained(..., ngram_storage=...)`), chosen per table before the model is allocated:
-- `auto`: FP8 tables stay FP8 in memory (`StoredNGramTable`, frozen), any other table is an `nn.Embedding` in
-  the model dtype (trainable);
-- `dense`: every table is an `nn.Embedding` in the model dtype; FP8 shards are upcast one shard at a time while
-  loading (`rows.to(dtype) * scale.to(dtype)`, so never the whole table twice) - the trainable path;
-- `stored`: every table stays in its stored dtype (FP8 + scale, BF16, FP32), frozen, rows converted after the
-  gather;
-- `nf4`: every table quantised to 4-bit codes + an fp16 scale per row while loading, shard by shard (lossy,
-  frozen, in memory only: `model/ngram_nf4.py`);
-- `mmap`: the rows stay in the checkpoint files; each lookup reads only its rows (with `pread`; a memory map
-  would creep toward the whole table in RSS), and a row cache of at most `resident_mb` MiB keeps hot rows
-  (`checkpoint/ngram_ondisk.py`).
-All but `nf4` give the same looked-up values for the same checkpoint (bitwise: same rows, same conversion).
+Which module holds a table in memory (`ngram_storage=`) is `flashnext.ngram`'s: this file only maps the files
+(`inspect_table` -> `TableOnDisk`) and finds the tables of a model by shape, not class.
 """
 
 from __future__ import annotations
@@ -32,7 +21,6 @@ from torch import nn
 
 from flashnext.checkpoint import layout
 
-STORAGES = ("auto", "dense", "stored", "mmap", "nf4")
 FP8 = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 NGRAM_SCALE = re.compile(r"^(?P<pre>.+\.ple_embedding\.ngram_embedding)\.weight_scale$")
@@ -133,7 +121,8 @@ def ngram_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def external_keys(model: nn.Module) -> set[str]:
-    """On-disk keys read by tables that stay in the files (`mmap` storage): the loader leaves them alone."""
+    """On-disk keys read by tables themselves (an `NgramTable`'s `disk_keys`: `mmap`, `nf4`): the loader leaves
+    them alone."""
     keys: set[str] = set()
     for m in model.modules():
         keys |= set(getattr(m, "disk_keys", ()))

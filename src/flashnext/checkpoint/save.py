@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import INDEX_FILE, SINGLE_FILE
 from flashnext.checkpoint.load import HEAD, shares_embedding, ties_embeddings
-from flashnext.checkpoint.ngram_ondisk import ondisk_table_entries
 from flashnext.checkpoint.target import writing
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import CheckpointError
@@ -58,9 +57,20 @@ def _skip_head(ours: dict[str, torch.Tensor], tie: bool) -> bool:
 
 def tensor_entries(model: torch.nn.Module, style: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """(disk key, tensor view) for every tensor of `model` to write (tables that stay in their files,
-    `ngram_storage="mmap"`, are not among them: `ondisk_table_entries`)."""
+    `ngram_storage="mmap"`, are not among them: `table_entries`)."""
     buffers = {k: b for k, b in model.named_buffers() if layout.is_derived_buffer(k)}
     return state_entries(model.state_dict(), buffers, getattr(model, "extra_tensors", {}), style, cfg)
+
+
+def table_entries(model: torch.nn.Module, style: str, parts: int, directory: Path) -> list[tuple[str, torch.Tensor]]:
+    """(disk key, tensor) pairs that n-gram tables write besides `state_dict` (an `NgramTable`'s `saved_entries`:
+    the rows of a table read from the files; an NF4 table refuses). Found by name: this package imports no table
+    class."""
+    out = []
+    for name, module in model.named_modules():
+        if hasattr(module, "saved_entries"):
+            out += module.saved_entries(name, style, parts, directory)
+    return out
 
 
 def state_entries(
@@ -155,9 +165,7 @@ def save_pretrained(
     cfg = config or model_config_of(model)
     style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
     directory = Path(directory)
-    entries = tensor_entries(model, style, cfg) + ondisk_table_entries(
-        model, style, cfg.text.split_ngram_parts, directory
-    )
+    entries = tensor_entries(model, style, cfg) + table_entries(model, style, cfg.text.split_ngram_parts, directory)
     with writing(directory, overwrite) as tmp:
         write_checkpoint(tmp, entries, cfg, max_shard_bytes)
     return directory

@@ -55,8 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
-    from flashnext.checkpoint.ngram_ondisk import DEFAULT_RESIDENT_MB
-    from flashnext.checkpoint.ngram_tables import STORAGES
+    from flashnext.ngram import DEFAULT_RESIDENT_MB, STORAGES
 
     p.add_argument(
         "--ngram-storage", choices=STORAGES, default="auto",

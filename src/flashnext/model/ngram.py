@@ -5,8 +5,9 @@ For token t, its k-gram (k = 2..ngram_size) is hashed as `XOR_j (tok[t-j] * m_j)
 sequence start or before the token after an EOS reads as EOS. Head table sizes are successive primes counted
 globally across PLE layers; the table is padded to a multiple of `make_ngram_vocab_size_divisible_by`.
 
-The table lookup is the module `ngram_embedding` (an `nn.Embedding` called on flat ids) so it can be swapped for an
-owner-routed, row-sharded embedding from outside the model.
+The table lookup is the module `ngram_embedding` (an `nn.Embedding` called on flat ids) so it can be swapped from
+outside the model: for a frozen table in another storage (`flashnext.ngram.NgramTable`, chosen at load) or an
+owner-routed, row-sharded embedding (`parallel/`).
 
 Across serving steps the context is carried as state: the last `ngram_size - 1` ids of each sequence (EOS for a
 fresh one, which is what precedes a sequence start), passed in as `initial_context` and returned updated.

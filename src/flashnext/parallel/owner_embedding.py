@@ -31,7 +31,7 @@ from torch import nn
 from flashnext.checkpoint.fp8 import dequantize_rows
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.ngram import NGramEmbedding
-from flashnext.model.ngram_table import StoredNGramTable, apply_keeping_storage
+from flashnext.ngram import StoredNGramTable, apply_keeping_storage
 
 __all__ = ["OwnerRoutedEmbedding", "row_ranges", "swap_ngram_embeddings"]
 

@@ -106,9 +106,9 @@ class DecodeGraph:
     """
 
     def __init__(self, model, cache, buckets: Sequence[int] | None = None, backend: str = "inductor"):
-        from flashnext.checkpoint.ngram_ondisk import OnDiskNGramTable
+        from flashnext.ngram import NgramTable
 
-        if any(isinstance(m, OnDiskNGramTable) for m in model.modules()):
+        if any(isinstance(m, NgramTable) and m.storage == "mmap" for m in model.modules()):
             raise ConfigError(
                 "the compiled decode step needs in-memory n-gram tables: --ngram-storage mmap reads rows from the "
                 "checkpoint files on the host (use --decode-graph off, or another --ngram-storage)"

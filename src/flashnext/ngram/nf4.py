@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from flashnext.model.ngram_table import apply_keeping_storage
+from flashnext.errors import CheckpointError
+from flashnext.ngram.table import NgramTable
 
 SCALE_GRID = tuple(0.8 + 0.05 * i for i in range(9))  # multiples of the row RMS tried as the scale
 
@@ -76,18 +76,22 @@ def dequantize_nf4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (NF4_LEVELS.to(codes.device)[idx] * scale.float()[:, None]).to(dtype)
 
 
-class NF4NGramTable(nn.Module):
+class NF4NGramTable(NgramTable):
     """A frozen `[R, d]` table held as NF4 codes plus an fp16 scale per row; lookups come out in `dtype`.
 
     Buffers `codes [R, d/2]` (uint8) and `row_scale [R]` (fp16) are not persistent (no checkpoint layout holds
-    them): they are filled by `fill` from the stored table. Model-wide dtype casts change the output dtype only.
+    them): they are filled by `fill` from the stored table (`source`, set by `ngram.storage`, which also sets
+    `disk_keys`). Model-wide dtype casts change the output dtype only.
     """
+
+    storage = "nf4"
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: torch.dtype, device=None):
         super().__init__()
         if embedding_dim % 2:
             raise ValueError(f"NF4 rows pack two values per byte: row width {embedding_dim} must be even")
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.source = None  # the `TableOnDisk` quantised into it at load (`ngram.storage`)
         codes = torch.zeros(num_embeddings, embedding_dim // 2, dtype=torch.uint8, device=device)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("row_scale", torch.zeros(num_embeddings, dtype=torch.float16, device=device), False)
@@ -105,8 +109,23 @@ class NF4NGramTable(nn.Module):
         rows = dequantize_nf4(self.codes.index_select(0, flat), self.row_scale.index_select(0, flat), self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
-    def _apply(self, fn, recurse: bool = True):
-        return apply_keeping_storage(self, fn)
+    @property
+    def nbytes(self) -> int:
+        """The codes' bytes plus the row scales'."""
+        return self.codes.nbytes + self.row_scale.nbytes
+
+    def saved_entries(self, name: str, style: str, parts: int, directory) -> list:
+        """Refused for a table quantised from a checkpoint (`source` set): NF4 is lossy and in memory only.
+
+        Raises:
+            CheckpointError: naming the table.
+        """
+        if self.source is None:
+            return []
+        raise CheckpointError(
+            f"cannot save {name}: an NF4 table is a lossy in-memory copy with no checkpoint layout; save from "
+            "the checkpoint it was quantised from (or load that one with another ngram_storage)"
+        )
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, NF4 codes + fp16 row scales -> {self.dtype}"

@@ -2,7 +2,7 @@
 
 The table never enters memory as a tensor. A lookup reads exactly its rows from the safetensors shards (byte
 offsets from the headers) with `pread`, one call per run of consecutive rows, and converts them like every
-other table (`model.ngram_table.dequantize_rows`), so the values are bitwise those of the in-memory table.
+other table (`checkpoint.fp8.dequantize_rows`), so the values are bitwise those of the in-memory table.
 Recently read rows are kept in a direct-mapped cache of `resident_mb` MiB (slot `id % slots`, a newer row evicts
 the older one), so the table's resident bytes can never exceed the budget.
 
@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
+from flashnext.checkpoint import layout
 from flashnext.checkpoint.files import TORCH_DTYPES, data_offsets
 from flashnext.checkpoint.fp8 import dequantize_rows
 from flashnext.checkpoint.ngram_tables import TableOnDisk
 from flashnext.errors import CheckpointError, InputError
+from flashnext.ngram.table import NgramTable
 
 DEFAULT_RESIDENT_MB = 256
 # Stored dtype -> the numpy dtype of the same width that carries its bits (numpy has no bf16/fp8).
@@ -68,11 +69,11 @@ class _Shard:
             self.fd = -1
 
 
-class OnDiskNGramTable(nn.Module):
-    """Drop-in for an n-gram table module (`forward(ids [*S]) -> rows [*S, d]`) that reads rows from the files.
+class OnDiskNGramTable(NgramTable):
+    """An `NgramTable` (storage `"mmap"`) that reads its rows from the checkpoint files on each lookup.
 
     Frozen: no parameters or buffers (nothing of it is in `state_dict`; `save_pretrained` copies the rows from the
-    files). Model dtype casts change the output dtype only.
+    files, `saved_entries`). Model dtype casts change the output dtype only.
 
     Args:
         table: the table's on-disk form (`checkpoint.ngram_tables.inspect_table`), already validated.
@@ -84,6 +85,8 @@ class OnDiskNGramTable(nn.Module):
         disk_keys: the on-disk keys this table reads (the loader skips them).
         rows_read, cache_hits: counters over all lookups (rows read from the files, rows served from the cache).
     """
+
+    storage = "mmap"
 
     def __init__(self, table: TableOnDisk, rows: int, width: int, *, dtype: torch.dtype, resident_mb: float = 0):
         super().__init__()
@@ -179,45 +182,35 @@ class OnDiskNGramTable(nn.Module):
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.from_numpy(rows.reshape(b - a, self.embedding_dim)).view(self.stored_dtype)
 
-    def _apply(self, fn, recurse: bool = True):
-        # No tensors to move; a model-wide dtype cast (`model.to(torch.bfloat16)`) sets the output dtype.
-        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
-        return self
+    @property
+    def nbytes(self) -> int:
+        """The row cache's bytes (rows and tags): the most this table ever holds in memory."""
+        return self.cache.nbytes + self.tags.nbytes
+
+    def saved_entries(self, name: str, style: str, parts: int, directory: Path) -> list[tuple[str, torch.Tensor]]:
+        """(disk key, stored rows) of this table cut into `parts` shards, plus its scale, for saving.
+
+        Raises:
+            CheckpointError: `directory` holds a file this table reads (saving would overwrite the rows being read).
+        """
+        if any(s.file.resolve().parent == Path(directory).resolve() for s in self.shards):
+            raise CheckpointError(f"cannot save into {str(directory)!r}: {name} reads its rows from files there")
+        out = []
+        shape = (self.num_embeddings, self.embedding_dim)
+        for slot in layout.slots_for(f"{name}.weight", shape, style=style, split_ngram_parts=parts):
+            out.append((slot.disk_key, self.rows_between(slot.index[0].start, slot.index[0].stop)))
+        if self.scale is not None:
+            out.append((layout.to_disk_name(f"{name}.weight_scale", style), self.scale))
+        return out
 
     def __del__(self):
         for shard in getattr(self, "shards", []):
             shard.close()
 
     def extra_repr(self) -> str:
-        cache = (self.cache.nbytes + self.tags.nbytes) / 2**20
+        cache = self.nbytes / 2**20
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, {self.table.dtype} read from {len(self.shards)} file "
             f"shard(s), row cache {cache:g} MiB -> {self.dtype}"
         )
 
-
-def ondisk_table_entries(model: nn.Module, style: str, parts: int, directory: Path) -> list[tuple[str, torch.Tensor]]:
-    """(disk key, stored rows) of every on-disk table, cut into `parts` shards, plus its scale, for saving.
-
-    Raises:
-        CheckpointError: `directory` holds a file a table reads (saving would overwrite the rows being read).
-    """
-    from flashnext.checkpoint import layout
-
-    out = []
-    for name, table in model.named_modules():
-        if getattr(table, "source", None) is not None and hasattr(table, "fill"):  # ngram_storage="nf4"
-            raise CheckpointError(
-                f"cannot save {name}: an NF4 table is a lossy in-memory copy with no checkpoint layout; save from "
-                "the checkpoint it was quantised from (or load that one with another ngram_storage)"
-            )
-        if not isinstance(table, OnDiskNGramTable):
-            continue
-        if any(s.file.resolve().parent == Path(directory).resolve() for s in table.shards):
-            raise CheckpointError(f"cannot save into {str(directory)!r}: {name} reads its rows from files there")
-        shape = (table.num_embeddings, table.embedding_dim)
-        for slot in layout.slots_for(f"{name}.weight", shape, style=style, split_ngram_parts=parts):
-            out.append((slot.disk_key, table.rows_between(slot.index[0].start, slot.index[0].stop)))
-        if table.scale is not None:
-            out.append((layout.to_disk_name(f"{name}.weight_scale", style), table.scale))
-    return out

@@ -1,10 +1,10 @@
 """n-gram tables kept in their stored dtype (FP8 with a per-table scale, or BF16/FP32), frozen.
 
 The PLE lookup (`NGramEmbedding.ngram_embedding`) only needs `forward(ids [*S]) -> rows [*S, d]`. `nn.Embedding`
-is the trainable table in the model dtype; `StoredNGramTable` here keeps the rows as they are stored on disk and
-converts only the gathered rows: `rows.to(dtype) * scale.to(dtype)` for FP8 (the official FP8 layout has one
-scale per layer table), `rows.to(dtype)` otherwise. Dequantising *after* the gather is what makes the table fit:
-an FP8 table costs 1 byte per value in memory instead of 2 (BF16) or 4 (FP32).
+is the trainable table in the model dtype; `StoredNGramTable` here (an `NgramTable`, storage `"stored"`) keeps
+the rows as they are stored on disk and converts only the gathered rows: `rows.to(dtype) * scale.to(dtype)` for
+FP8 (the official FP8 layout has one scale per layer table), `rows.to(dtype)` otherwise. Dequantising *after* the
+gather is what makes the table fit: an FP8 table costs 1 byte per value in memory instead of 2 (BF16) or 4 (FP32).
 
 Legend: R table rows, d row width (`ple_embed_dim / ngram_heads`), N looked-up ids.
 """
@@ -12,37 +12,19 @@ Legend: R table rows, d row width (`ple_embed_dim / ngram_heads`), N looked-up i
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from flashnext.checkpoint.fp8 import FP8_DTYPE, dequantize_rows
+from flashnext.ngram.table import NgramTable
 
 
-def apply_keeping_storage(module: nn.Module, fn) -> nn.Module:
-    """`Module._apply` for a table holding stored rows in its buffers and its output dtype in `module.dtype`.
-
-    `fn` is e.g. `t.to(dtype) if t.is_floating_point()` (Module.to/.half/.float), `t.to(device)` or
-    `empty_like(t, device=...)` (to_empty). Handing it a byte view of each buffer keeps the stored dtype through
-    dtype casts (a 51 GB FP8 table silently upcast to 102 GB BF16 by `model.to(torch.bfloat16)` is what this
-    prevents) while moves and to_empty still apply; the output dtype follows the cast instead.
-    """
-    device = None
-    for name, buf in list(module._buffers.items()):
-        if buf is not None:
-            raw = fn(buf.reshape(-1).view(torch.uint8))
-            module._buffers[name] = raw.view(buf.dtype).reshape(buf.shape)
-            device = raw.device
-    module.dtype = fn(torch.empty(0, dtype=module.dtype, device=device)).dtype
-    return module
-
-
-class StoredNGramTable(nn.Module):
+class StoredNGramTable(NgramTable):
     """A frozen `[R, d]` table in its stored dtype whose lookups come out in the model dtype.
 
     Holds buffers (never parameters: nothing trains them) `weight [R, d]` in `storage_dtype` and, for FP8,
     `weight_scale` (a scalar, shape `scale_shape`, in `scale_dtype`), named like the checkpoint's
     `...ngram_embedding.weight` / `...ngram_embedding.weight_scale`, so `save_pretrained` writes them back byte for
     byte. Model-wide dtype conversions (`model.to(torch.bfloat16)`, `.float()`) change only the output dtype, not
-    the stored bytes (see `_apply`); device moves and `to_empty` apply as usual.
+    the stored bytes (`NgramTable._apply`); device moves and `to_empty` apply as usual.
 
     Args:
         num_embeddings, embedding_dim: R and d.
@@ -52,6 +34,8 @@ class StoredNGramTable(nn.Module):
         scale_shape: shape of the stored scale (`()` or `(1,)`; exports differ).
         device: where the buffers are allocated (`meta` to fill them later from a checkpoint).
     """
+
+    storage = "stored"
 
     def __init__(
         self,
@@ -89,8 +73,10 @@ class StoredNGramTable(nn.Module):
         out = dequantize_rows(rows, self.weight_scale, self.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
-    def _apply(self, fn, recurse: bool = True):
-        return apply_keeping_storage(self, fn)
+    @property
+    def nbytes(self) -> int:
+        """The stored rows' bytes plus the scale's."""
+        return sum(b.nbytes for b in (self.weight, self.weight_scale) if b is not None)
 
     def extra_repr(self) -> str:
         scale = "" if self.weight_scale is None else f", scale {self.weight_scale.dtype}"
