@@ -33,7 +33,7 @@ import random
 from typing import Any
 
 from flashnext.errors import ConfigError
-from flashnext.rl.envs import Environment, Prompt, Score
+from flashnext.rl.environment import Environment, Prompt, Score
 
 PREFIX = "verifiers:"
 
