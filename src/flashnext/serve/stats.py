@@ -11,7 +11,7 @@ log = logging.getLogger("flashnext.serve")
 
 # Below this share of accepted drafts, speculation is a loss. A verify step with k drafts yields 1 + a*k tokens
 # (a: acceptance) and costs a decode step plus, per draft, its share of the verify step and one head step: ~0.5 of
-# a decode step per draft for the tiny model on CPU (docs/ARCHITECTURE.md, benchmarks/spec_decode.py), so k = 3
+# a decode step per draft for the tiny model on CPU (benchmarks/RESULTS.md, benchmarks/spec_decode.py), so k = 3
 # breaks even near a = 0.5 there; a large model on a GPU (head ~2% of the model) breaks even at a few percent. An
 # untrained head drafts at chance (the tiny SFT model trained without the MTP loss: 1.5% at k = 3, 4% at k = 1 on
 # held-out prompts), a trained one far above (configs/tiny-sft.toml: 34% at k = 3, 53% at k = 1; a per-position
