@@ -336,36 +336,63 @@ class FlashNextForCausalLM(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Random init as the reference does (normal(0, initializer_range); norms at their identity)."""
         gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
-        std = self.config.initializer_range
-
-        def normal_(p: torch.Tensor) -> None:
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-        for m in self.modules():
-            if isinstance(m, nn.Linear | nn.Embedding):
-                normal_(m.weight)
-            elif isinstance(m, Experts):
-                normal_(m.gate_up_proj)
-                normal_(m.down_proj)
-            elif isinstance(m, Router):
-                normal_(m.weight)
-            elif isinstance(m, RMSNorm):
-                m.weight.zero_()
-            elif isinstance(m, GatedRMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, GatedDeltaNet):
-                m.dt_bias.fill_(1.0)
-                m.A_log.copy_(torch.empty(m.A_log.shape).uniform_(0.01, 16, generator=gen).log())
-                normal_(m.conv1d.weight)
-            elif isinstance(m, PLELayer):
-                m.conv1d.weight.zero_()
-        self.reset_buffers()
+        init_modules(self, WholeTensorInit(gen, self.config.initializer_range))
 
     def save_pretrained(self, path, **kwargs) -> None:
         """Write the official checkpoint layout (see `flashnext.checkpoint`)."""
         from flashnext.checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+class WholeTensorInit:
+    """How `init_modules` writes a value: whole tensors, drawn from `gen` (None: torch's global generator).
+    `parallel/init.py` subclasses it to keep only a rank's shard of the same draws."""
+
+    def __init__(self, gen: torch.Generator | None, std: float):
+        self.gen, self.std = gen, std
+
+    def made(self, p: torch.Tensor, make) -> None:
+        """Write `make(shape)` into `p`."""
+        p.copy_(make(tuple(p.shape)))
+
+    def normal(self, p: torch.Tensor) -> None:
+        self.made(p, lambda shape: torch.randn(shape, generator=self.gen) * self.std)
+
+    def const(self, p: torch.Tensor, value: float) -> None:
+        p.fill_(value)
+
+    def module(self, m: nn.Module) -> bool:
+        """Initialise a module the ladder does not know (True: done); none here."""
+        return False
+
+
+@torch.no_grad()
+def init_modules(model: nn.Module, init: WholeTensorInit) -> None:
+    """The init ladder, module by module in `model.modules()` order (every draw comes from one generator, so the
+    order is part of the values): normal(0, std) weights, norms at their identity, the delta rule's decay and bias
+    as the reference sets them. Derived buffers are recomputed (`reset_buffers`)."""
+    for m in model.modules():
+        if init.module(m):
+            continue
+        if isinstance(m, nn.Linear | nn.Embedding):
+            init.normal(m.weight)
+        elif isinstance(m, Experts):
+            init.normal(m.gate_up_proj)
+            init.normal(m.down_proj)
+        elif isinstance(m, Router):
+            init.normal(m.weight)
+        elif isinstance(m, RMSNorm):
+            init.const(m.weight, 0.0)
+        elif isinstance(m, GatedRMSNorm):
+            init.const(m.weight, 1.0)
+        elif isinstance(m, GatedDeltaNet):
+            init.const(m.dt_bias, 1.0)
+            init.made(m.A_log, lambda shape: torch.empty(shape).uniform_(0.01, 16, generator=init.gen).log())
+            init.normal(m.conv1d.weight)
+        elif isinstance(m, PLELayer):
+            init.const(m.conv1d.weight, 0.0)
+    model.reset_buffers()
 
 
 def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:

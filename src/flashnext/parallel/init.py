@@ -13,8 +13,8 @@ the same order with the same generator and the same draws, and keeps only this r
   skip ahead). For the full-size tables that is minutes of CPU per table: a real run loads pretrained weights or a
   DCP checkpoint instead and passes `seed=None` to `parallelize`.
 
-The branches mirror `init_weights` (model/text.py); `tests/parallel/test_fsdp.py` holds the two equal at world sizes
-1 and 2, so a change to one that is not made to the other fails there.
+Both walk one ladder, `init_modules` (model/text.py); this module only says how a value is written (`LocalShardInit`).
+`tests/parallel/test_fsdp.py` holds the two results equal at world sizes 1 and 2.
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flashnext.model.deltanet import GatedDeltaNet
-from flashnext.model.moe import Experts, Router
-from flashnext.model.norm import GatedRMSNorm, RMSNorm
-from flashnext.model.ple import PLELayer
+from flashnext.model.text import WholeTensorInit, init_modules
 from flashnext.parallel.owner_embedding import OwnerRoutedEmbedding
 
 __all__ = ["init_weights_local"]
@@ -64,6 +61,23 @@ def _normal_rows(table: OwnerRoutedEmbedding, gen: torch.Generator, std: float) 
         a = b
 
 
+class LocalShardInit(WholeTensorInit):
+    """`WholeTensorInit` that keeps only this rank's part of every draw: a DTensor's shard, an owner-routed
+    table's rows."""
+
+    def made(self, p: torch.Tensor, make) -> None:
+        _fill(p, make)
+
+    def const(self, p: torch.Tensor, value: float) -> None:
+        _local(p).fill_(value)
+
+    def module(self, m: nn.Module) -> bool:
+        if isinstance(m, OwnerRoutedEmbedding):  # in the unsharded model: an nn.Embedding, drawn whole
+            _normal_rows(m, self.gen, self.std)
+            return True
+        return False
+
+
 @torch.no_grad()
 def init_weights_local(model: nn.Module, seed: int) -> None:
     """`model.init_weights(seed)` for a model whose parameters are FSDP2 shards and/or owner-routed row ranges.
@@ -76,29 +90,4 @@ def init_weights_local(model: nn.Module, seed: int) -> None:
         seed: the seed the unsharded model would be given.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    std = model.config.initializer_range
-
-    def normal_(p: torch.Tensor) -> None:
-        _fill(p, lambda shape: torch.randn(shape, generator=gen) * std)
-
-    for m in model.modules():
-        if isinstance(m, OwnerRoutedEmbedding):  # in the unsharded model: the nn.Embedding branch below
-            _normal_rows(m, gen, std)
-        elif isinstance(m, nn.Linear | nn.Embedding):
-            normal_(m.weight)
-        elif isinstance(m, Experts):
-            normal_(m.gate_up_proj)
-            normal_(m.down_proj)
-        elif isinstance(m, Router):
-            normal_(m.weight)
-        elif isinstance(m, RMSNorm):
-            _local(m.weight).zero_()
-        elif isinstance(m, GatedRMSNorm):
-            _local(m.weight).fill_(1.0)
-        elif isinstance(m, GatedDeltaNet):
-            _local(m.dt_bias).fill_(1.0)
-            _fill(m.A_log, lambda shape: torch.empty(shape).uniform_(0.01, 16, generator=gen).log())
-            normal_(m.conv1d.weight)
-        elif isinstance(m, PLELayer):
-            _local(m.conv1d.weight).zero_()
-    model.reset_buffers()
+    init_modules(model, LocalShardInit(gen, model.config.initializer_range))
