@@ -1,0 +1,121 @@
+"""A run on a data file (SFT, or offline RL records): packed micro-batches, the held-out loss, the run's lines.
+
+`PackedSource` takes `data.micro_batches` micro-batches per step for each data-parallel group from the loader (with
+N groups the loader's balancing group is `micro_batches * N` and group r takes every N-th micro-batch of the step);
+`ContextShards` wraps a source under context parallelism: the ranks of a CP group take the same micro-batches, each
+its slice of them. `SFTWorkload` is what the training loop runs for such a run (`loop.Workload`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashnext.batch import PackedBatch
+from flashnext.parallel.context import ContextBatch
+from flashnext.train.config import RunConfig
+from flashnext.train.hooks import Evaluation, PeriodicCheckpoint, Report
+from flashnext.train.loop import BatchSource, Hook, Metrics
+from flashnext.train.metrics import ProgressBar, measure_peak_flops
+from flashnext.train.packing import PackedLoader
+from flashnext.train.setup import DTYPES
+
+
+class PackedSource:
+    """The packed loader's micro-batches: `micro_batches` for this data-parallel group out of each step's
+    `micro_batches * groups` (the loader position advances for every group's share)."""
+
+    def __init__(self, loader: PackedLoader, micro_batches: int, group: int, groups: int):
+        self.loader, self.micro_batches, self.group, self.groups = loader, micro_batches, group, groups
+        self.batches = iter(loader)
+
+    def next_step(self, step: int) -> list[PackedBatch]:
+        step_batches = [next(self.batches) for _ in range(self.micro_batches * self.groups)]
+        return step_batches[self.group :: self.groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["data"])
+        self.batches = iter(self.loader)
+
+    def close(self) -> None:
+        pass
+
+
+class ContextShards:
+    """`source`'s micro-batches, each cut to this rank's slice of its CP group (`parallel.context`)."""
+
+    def __init__(self, source: BatchSource, cp, device: torch.device):
+        self.source, self.cp, self.device = source, cp, device
+
+    def next_step(self, step: int) -> list[ContextBatch]:
+        return [self.cp.shard(b, self.device) for b in self.source.next_step(step)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class SFTWorkload:
+    """The training loop's parts for a run on a data file: the packed source and the evaluation, metrics and
+    checkpoint hooks (`trainer`: a `Trainer` whose `loader` and `evaluator` are built)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        cfg = trainer.cfg
+        source = PackedSource(trainer.loader, cfg.data.micro_batches, trainer.dp_rank, trainer.dp_size)
+        self.source = ContextShards(source, trainer.cp, trainer.device) if trainer.cp else source
+
+    def announce(self) -> None:
+        """The model, the data and the step plan; measures the MFU peak first when `log.peak_flops = "measure"`."""
+        t, cfg = self.trainer, self.trainer.cfg
+        if cfg.log.peak_flops == "measure":  # the GEMM rate of the dtype the matmuls run in
+            t.peak_flops = measure_peak_flops(t.device, DTYPES[cfg.train.compute_dtype])
+        else:
+            t.peak_flops = float(cfg.log.peak_flops)
+        n_params = sum(p.numel() for p in t.model.parameters())
+        held_out = f", {t.evaluator.num_examples} held out" if t.evaluator else ""
+        t.say(
+            f"model: {n_params / 1e6:.2f}M params on {t.device} ({_precision(cfg)}); "
+            f"{len(t.loader.examples)} examples{held_out}, token budget {cfg.data.token_budget} x "
+            f"{cfg.data.micro_batches} micro-batches x {t.ctx.world_size} rank(s); "
+            f"peak {t.peak_flops / 1e9:.1f} GFLOP/s per device; steps {t.step} -> {cfg.train.steps}"
+        )
+
+    def hooks(self) -> list[Hook]:
+        t, cfg = self.trainer, self.trainer.cfg
+        report = Report(t.out_dir / "metrics.jsonl", t.step, cfg.train.steps, cfg.log.every, main=t.ctx.is_main,
+                        progress=cfg.log.progress, wandb=cfg.log.wandb_project, bar=ProgressBar,
+                        eval_key="eval_loss", say=t.say)  # fmt: skip
+        evaluation = [Evaluation(lambda: {"eval_loss": t.eval_loss()}, cfg.train.eval_every)] if t.evaluator else []
+        return [*evaluation, report, PeriodicCheckpoint(t.save_checkpoint, cfg.checkpoint.every, report.write)]
+
+    def summary(self, history: list[Metrics]) -> str | None:
+        if not history:
+            return None
+        first, last = history[0], history[-1]
+        return (
+            f"done: step {last['step']}, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+            f"{sum(m['tokens'] for m in history)} tokens, mean {_mean(history, 'tokens_per_s'):,.0f} tokens/s"
+            + (f", MFU {_mean(history, 'mfu'):.2%}" if "mfu" in last else "")
+            + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+        )
+
+
+def _precision(cfg: RunConfig) -> str:
+    if cfg.train.compute_dtype == cfg.model.dtype:
+        return cfg.model.dtype
+    return f"{cfg.train.compute_dtype} compute, {cfg.model.dtype} master weights"
+
+
+def _mean(history: list[Metrics], key: str) -> float:
+    values = [m[key] for m in history if key in m]
+    return sum(values) / max(len(values), 1)
