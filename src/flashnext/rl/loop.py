@@ -224,9 +224,7 @@ class RLWorkload:
 
     def hooks(self) -> list[Hook]:
         t, cfg = self.trainer, self.trainer.cfg
-        report = Report(t.out_dir / "metrics.jsonl", t.step, cfg.train.steps, cfg.log.every, main=t.ctx.is_main,
-                        progress=cfg.log.progress, wandb=cfg.log.wandb_project, bar=RLProgressBar,
-                        eval_key="reward/eval_mean", say=t.say)  # fmt: skip
+        report = Report.of_run(t, RLProgressBar, "reward/eval_mean")
         o = cfg.orchestrator
         evaluation = [Evaluation(self.source.orch.evaluate, o.eval_every, at_start=True)] if (
             t.ctx.is_main and o.eval_tasks) else []  # fmt: skip

@@ -62,6 +62,14 @@ class Report:
         self.bar = bar(total, step, enabled=progress and main)
         self.log_every, self.eval_key, self.say = log_every, eval_key, say
 
+    @classmethod
+    def of_run(cls, trainer, bar: type[ProgressBar], eval_key: str) -> Report:
+        """The report of `trainer`'s run (a `Trainer`: its out_dir, step, config `log` section, rank, `say`)."""
+        cfg, log = trainer.cfg, trainer.cfg.log
+        return cls(trainer.out_dir / "metrics.jsonl", trainer.step, cfg.train.steps, log.every,
+                   main=trainer.ctx.is_main, progress=log.progress, wandb=log.wandb_project, bar=bar,
+                   eval_key=eval_key, say=trainer.say)  # fmt: skip
+
     def start(self, row: Metrics) -> None:
         if len(row) > 1:  # an evaluation before the first step
             self.logger.log(row)

@@ -13,13 +13,40 @@ from typing import Any
 import torch
 
 from flashnext.batch import PackedBatch
+from flashnext.errors import ConfigError
 from flashnext.parallel.context import ContextBatch
 from flashnext.train.config import RunConfig
+from flashnext.train.data import ModelLimits
+from flashnext.train.evaluation import Evaluator
 from flashnext.train.hooks import Evaluation, PeriodicCheckpoint, Report
 from flashnext.train.loop import BatchSource, Hook, Metrics
 from flashnext.train.metrics import ProgressBar, measure_peak_flops
-from flashnext.train.packing import PackedLoader
-from flashnext.train.setup import DTYPES
+from flashnext.train.packing import CostFn, PackedLoader
+from flashnext.train.setup import DTYPES, load_examples
+
+
+def load_data(cfg: RunConfig, tokenizer, model: torch.nn.Module, cost_fn: CostFn, groups: int):
+    """(the packed loader, the held-out `Evaluator` or None) of the data file; the examples are checked against the
+    model at load. `groups`: the data-parallel groups that share each step's micro-batches."""
+    examples, held_out = load_examples(cfg, tokenizer, ModelLimits.of(model.config))
+    loader = PackedLoader(
+        examples,
+        cfg.data.token_budget,
+        cost_fn,
+        seed=cfg.data.seed,
+        group_size=cfg.data.micro_batches * groups,
+        truncate=cfg.data.truncate,
+    )
+    evaluator = Evaluator(held_out, cfg.data.token_budget, cost_fn, cfg.data.truncate) if held_out else None
+    if cfg.train.mtp_loss_weight > 0 and getattr(model, "mtp", None) is None:
+        raise ConfigError(
+            f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
+            "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
+        )
+    # the held-out split too: its loss is the run's loss
+    if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
+        raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
+    return loader, evaluator
 
 
 class PackedSource:
@@ -92,9 +119,7 @@ class SFTWorkload:
 
     def hooks(self) -> list[Hook]:
         t, cfg = self.trainer, self.trainer.cfg
-        report = Report(t.out_dir / "metrics.jsonl", t.step, cfg.train.steps, cfg.log.every, main=t.ctx.is_main,
-                        progress=cfg.log.progress, wandb=cfg.log.wandb_project, bar=ProgressBar,
-                        eval_key="eval_loss", say=t.say)  # fmt: skip
+        report = Report.of_run(t, ProgressBar, "eval_loss")
         evaluation = [Evaluation(lambda: {"eval_loss": t.eval_loss()}, cfg.train.eval_every)] if t.evaluator else []
         return [*evaluation, report, PeriodicCheckpoint(t.save_checkpoint, cfg.checkpoint.every, report.write)]
 

@@ -26,31 +26,32 @@ import torch
 
 from flashnext.batch import PackedBatch
 from flashnext.config import TextConfig
-from flashnext.errors import ConfigError
-from flashnext.parallel.context import ContextBatch, context_group
+from flashnext.parallel.context import ContextBatch
 from flashnext.parallel.dist import DistContext, init_distributed
 from flashnext.train import run_dir
 from flashnext.train.checkpointing import Checkpointer
 from flashnext.train.config import RunConfig
-from flashnext.train.data import ModelLimits
 from flashnext.train.evaluation import Evaluator
 from flashnext.train.interrupt import keep_work
 from flashnext.train.loop import Workload, train_loop
 from flashnext.train.loss import IGNORE_INDEX, count_label_tokens, count_mtp_tokens
 from flashnext.train.objective import build_objective
-from flashnext.train.optim import Schedulers, build_optimizer, clip_grad_norm, trainable_params
+from flashnext.train.optim import clip_grad_norm, trainable_params
 from flashnext.train.packing import PackedLoader, flop_cost
-from flashnext.train.precision import MixedPrecision
 from flashnext.train.setup import (
-    DTYPES,
     all_reduce_sum,
     build_model,
-    load_examples,
+    build_optimizers,
+    check_vocab,
+    context_group_of,
     load_tokenizer_for,
+    mixed_precision,
     needs_tokenizer,
     resolve_device,
+    seed_threads,
+    wrap_model,
 )
-from flashnext.train.sft import SFTWorkload
+from flashnext.train.sft import SFTWorkload, load_data
 
 
 class Trainer:
@@ -68,96 +69,30 @@ class Trainer:
                  workload: Callable[[Trainer], Workload] | None = None):  # fmt: skip
         self.cfg, self.ctx = cfg, ctx or init_distributed(device="cpu")
         self.say = say if self.ctx.is_main else (lambda *a, **k: None)
-        self._seed_threads()
+        seed_threads(cfg)
         self.device = self.ctx.device if self.ctx.distributed else resolve_device(cfg.train.device)
         self.out_dir = Path(cfg.out_dir)
         self.model = build_model(cfg, self.device, self.ctx)
         self.text_config: TextConfig = self.model.config
-        self.cp = self._context_group()  # None without context parallelism
+        self.cp = context_group_of(cfg, self.ctx, self.model)  # None without context parallelism
         self.dp_rank, self.dp_size = (self.cp.index, self.cp.count) if self.cp else (self.ctx.rank, self.ctx.world_size)
         self.tokenizer = load_tokenizer_for(cfg) if needs_tokenizer(cfg) else None
-        self._check_vocab()
+        check_vocab(self.tokenizer, self.text_config)
         self.cost_fn = flop_cost(self.text_config)
         self.loader: PackedLoader | None = None  # the data file's (None when another workload feeds the run)
         self.evaluator: Evaluator | None = None
         if workload is None:
-            self._build_data()
+            self.loader, self.evaluator = load_data(cfg, self.tokenizer, self.model, self.cost_fn, self.dp_size)
         self.objective = build_objective(cfg, self.device)
-        self._wrap_model()
-        self._build_optimizers()
-        self.precision = self._mixed_precision()
+        if not self.ctx.distributed:  # (under torchrun `parallelize` applied both)
+            wrap_model(self.model, cfg)
+        self.optimizers, self.param_groups, self.schedulers = build_optimizers(self.model, cfg, self.ctx)
+        self.precision = mixed_precision(self.model, cfg, self.ctx, self.device)
         self.checkpoints = Checkpointer(self)
         self.step = 0
         self.tokens_seen = 0
         self.peak_flops = None
         self.workload: Workload = (workload or SFTWorkload)(self)
-
-    def _seed_threads(self) -> None:
-        """Threads and the torch/python seeds of the run (the data order has its own seed)."""
-        if self.cfg.train.threads:
-            torch.set_num_threads(self.cfg.train.threads)
-        torch.manual_seed(self.cfg.train.seed)
-        random.seed(self.cfg.train.seed)
-
-    def _build_data(self) -> None:
-        """The examples (checked against the model at load), the packed loader and the held-out evaluator."""
-        cfg = self.cfg
-        examples, held_out = load_examples(cfg, self.tokenizer, ModelLimits.of(self.text_config))
-        self.loader = PackedLoader(
-            examples,
-            cfg.data.token_budget,
-            self.cost_fn,
-            seed=cfg.data.seed,
-            group_size=cfg.data.micro_batches * self.dp_size,
-            truncate=cfg.data.truncate,
-        )
-        self.evaluator = (
-            Evaluator(held_out, cfg.data.token_budget, self.cost_fn, cfg.data.truncate) if held_out else None
-        )
-        if cfg.train.mtp_loss_weight > 0 and getattr(self.model, "mtp", None) is None:
-            raise ConfigError(
-                f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
-                "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
-            )
-        # the held-out split too: its loss is the run's loss
-        if cfg.train.loss == "rl" and any(x[0].inference_logprobs is None for x in (examples, held_out or examples)):
-            raise ConfigError("train.loss='rl' needs RL records (inference_logprobs, advantages) in the data")
-
-    def _wrap_model(self) -> None:
-        """Compile, then activation checkpointing, in one process (`parallelize` applied both under torchrun)."""
-        if self.ctx.distributed:
-            return
-        if self.cfg.train.compile:
-            from flashnext.compile import compile_model
-
-            compile_model(self.model)  # before checkpointing: it compiles the plain layers
-        if self.cfg.train.activation_checkpointing:
-            from flashnext.activation_checkpoint import apply_activation_checkpointing
-
-            apply_activation_checkpointing(self.model)
-
-    def _build_optimizers(self) -> None:
-        """Muon / per-expert Muon / AdamW groups (shard-aware under FSDP2) and their schedule."""
-        self.optimizers, self.param_groups = build_optimizer(self.model, self.cfg.optim)
-        if self.ctx.distributed:
-            from flashnext.parallel import shard_aware_optimizers
-
-            shard_aware_optimizers(self.optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
-        self.schedulers = Schedulers(self.optimizers, self.cfg.optim)
-
-    def _mixed_precision(self) -> MixedPrecision | None:
-        """bf16 compute copies over the fp32 parameters (`train.compute_dtype`), in a single process."""
-        cfg = self.cfg
-        if cfg.train.compute_dtype == cfg.model.dtype:
-            return None  # fp32 throughout, or bf16 parameters throughout
-        if self.ctx.distributed:
-            if self.device.type == "cuda":
-                return None  # FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 sharded masters (`parallelize`)
-            raise ConfigError(
-                "train.compute_dtype='bfloat16' with fp32 parameters is not supported under torchrun on CPU "
-                "(FSDP2's bf16 policy is enabled on CUDA only); use model.dtype='bfloat16' or compute in float32"
-            )
-        return MixedPrecision(self.model, DTYPES[cfg.train.compute_dtype])
 
     def _compute(self):
         """The context forward and backward run in: bf16 compute copies under mixed precision, else nothing."""
@@ -167,31 +102,6 @@ class Trainer:
         """A warning line on stderr (rank 0 only)."""
         if self.ctx.is_main:
             print(f"flashnext train: warning: {message}", file=sys.stderr, flush=True)
-
-    def _context_group(self):
-        """`parallel.cp > 1`: this rank's CP group (`parallel.context`); its ranks split each micro-batch."""
-        cp = self.cfg.parallel.cp
-        if cp == 1:
-            return None
-        from flashnext.model.text import FlashNextForCausalLM
-
-        if not self.ctx.distributed or self.cfg.train.compile or not isinstance(self.model, FlashNextForCausalLM):
-            raise ConfigError(f"parallel.cp={cp} needs a torchrun launch, a text model and train.compile=false")
-        if self.cfg.train.mtp_loss_weight > 0:
-            raise ConfigError(
-                f"parallel.cp={cp} with train.mtp_loss_weight > 0 is not supported (the MTP head's targets "
-                "are two tokens ahead, across the slice's edge)"
-            )
-
-        ratio = self.text_config.indexer_compress_ratio if self.text_config.qsa_enabled else 1
-        return context_group(self.ctx.rank, self.ctx.world_size, cp, ratio)
-
-    def _check_vocab(self) -> None:
-        if self.tokenizer is not None and self.tokenizer.vocab_size > self.text_config.vocab_size:
-            raise ConfigError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{self.text_config.vocab_size}"
-            )
 
     # ---- one step --------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[PackedBatch | ContextBatch]:
@@ -326,7 +236,7 @@ class Trainer:
         """Train to `train.steps` (`loop.train_loop` with the workload's source and hooks), then save, export and
         summarise; returns the metrics of the steps run here."""
         cfg, work = self.cfg, self.workload
-        self._claim_out_dir()
+        run_dir.claim(self.out_dir, cfg.checkpoint.resume, cfg.train.overwrite, self.ctx, self.say)
         self.checkpoints.resume()
         if self.step >= cfg.train.steps:
             self.say(
@@ -352,20 +262,6 @@ class Trainer:
             self.say(summary)
         return history
 
-    def _claim_out_dir(self) -> None:
-        """Refuse a previous run in `out_dir` (unless resuming), or clear it with `train.overwrite` (rank 0)."""
-        cfg = self.cfg
-        if self.ctx.is_main:
-            run_dir.check_out_dir(self.out_dir, cfg.checkpoint.resume, cfg.train.overwrite)
-            if cfg.train.overwrite:
-                gone = run_dir.clear_run(self.out_dir)
-                if gone:
-                    self.say(f"overwrite: deleted the previous run's {', '.join(gone)} in {self.out_dir}")
-        if self.ctx.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()  # nobody writes before rank 0 has checked and cleared
-
     def eval_loss(self) -> float:
         """The held-out loss (mean per loss token over the whole split, the run's loss, no gradient); collective."""
         with self._compute():  # in the run's compute dtype
@@ -378,27 +274,9 @@ class Trainer:
             )
 
     def export(self, path: Path) -> None:
-        """The current weights in the official Hugging Face layout (+ the tokenizer files); collective.
-
-        The export is written to a temp directory beside `path`, which then replaces `path` whole (no file of an
-        older export survives beside the new one). With a process group every rank writes what it owns (n-gram
-        table shards) and rank 0 the rest.
-        """
-        path = Path(path)
-        tmp = run_dir.export_dir(path, clear=self.ctx.is_main)
-        if self.ctx.distributed:
-            import torch.distributed as dist
-
-            from flashnext.parallel import export_pretrained
-
-            dist.barrier()  # rank 0 emptied the temp directory
-            export_pretrained(self.model, tmp)
-        else:
-            self.model.save_pretrained(tmp)
-        if self.ctx.is_main:
-            if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
-                self.tokenizer.save(tmp)
-            run_dir.swap_in(tmp, path)
+        """The current weights in the official Hugging Face layout (+ the tokenizer files) at `path`; collective
+        (`run_dir.export_model`)."""
+        run_dir.export_model(self.model, self.tokenizer, self.ctx, path)
 
 
 def _metric_weight(name: str, metrics: dict[str, torch.Tensor]) -> float:
