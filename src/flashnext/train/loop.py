@@ -2,7 +2,7 @@
 
     for each step: batches = source.next_step(step); metrics = trainer.train_step(batches); hook.after_step(...)
 
-- a `BatchSource` gives each step's micro-batches for this rank: packed SFT data (`train/sources.py`; with context
+- a `BatchSource` gives each step's micro-batches for this rank: packed SFT data (`train/sft.py`; with context
   parallelism each micro-batch is this rank's slice of it), or RL rollouts from the inference engine or server
   (`rl/loop.py`). Its position is part of the checkpoint;
 - the `Trainer` owns the model, the optimizers and one optimizer step (`Trainer.train_step`: forward and backward
