@@ -140,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                                     flags["debug"])  # fmt: skip
 
     def rl(cfg, ctx) -> None:
-        from flashnext.rl.loop import RLTrainer
+        from flashnext.rl.loop import rl_trainer
 
         if cfg.warm_start is not None and not Path(cfg.model.path).exists():
             if ctx.distributed:
                 raise ConfigError(f"model.path={cfg.model.path!r} does not exist: run the warm-start SFT "
                                   f"({cfg.warm_start}) first, in one process")  # fmt: skip
             warm_start(cfg)
-        RLTrainer(cfg, ctx).run()
+        rl_trainer(cfg, ctx).run()
 
     return run_training_command(argv, parse_args, rl, "flashnext rl", flags["debug"])

@@ -7,5 +7,6 @@ Beside `train/` and `serve/` and built from both (neither imports this package);
 - `orchestrator.py`: a step's rollouts and the held-out evaluation; the off-policy pipeline;
 - `weights.py`: weight sync (in place in one process; streamed to a server, tables by row shard);
 - `config.py`: the run config (`[orchestrator]`, `[env]`, `[inference]` on top of the training run config);
-- `loop.py`: `RLTrainer`, the loop itself.
+- `loop.py`: the RL workload of the one training loop (`train/loop.py`): the rollout source, the weight-sync
+  hook; `rl_trainer` builds the `Trainer` of an RL run.
 """

@@ -62,7 +62,7 @@ def evaluate_checkpoint(cfg: RLRunConfig, checkpoint: str | Path, tasks: int = D
                         warn=print) -> dict[str, Any]:  # fmt: skip
     """Score `tasks` held-out tasks with the weights of `checkpoint` (see the module doc); print one line, write
     `<out_dir>/eval/<checkpoint's path>.json` (`_name`) and return what it holds."""
-    from flashnext.rl.loop import RLTrainer
+    from flashnext.rl.loop import rl_trainer
 
     if tasks < 2:
         raise ConfigError(f"--eval-tasks {tasks}: need at least 2 tasks for a standard error")
@@ -76,12 +76,13 @@ def evaluate_checkpoint(cfg: RLRunConfig, checkpoint: str | Path, tasks: int = D
         if trained_on is not None and trained_on != cfg.env.model_dump(mode="json"):
             warn(f"warning: {path} was trained on env {json.dumps(trained_on)}; evaluating on "
                  f"{json.dumps(cfg.env.model_dump(mode='json'))} (pass that run's --config)")  # fmt: skip
-    trainer = RLTrainer(cfg, say=lambda *a, **k: None)
+    trainer = rl_trainer(cfg, say=lambda *a, **k: None)
     if training:
         trainer.load_checkpoint(path, ckpt.read_checkpoint(path))
-    trainer.sync_weights(full=True)
-    drawn, scores = trainer.orch.eval_scores(tasks)
-    out = _report(cfg, path, step, drawn, scores, len({trainer.env.key(t) for t in drawn}))
+    rl = trainer.workload
+    rl.sync_weights(full=True)
+    drawn, scores = rl.source.orch.eval_scores(tasks)
+    out = _report(cfg, path, step, drawn, scores, len({rl.source.env.key(t) for t in drawn}))
     dest = Path(cfg.out_dir) / "eval" / f"{_name(path, Path(cfg.out_dir))}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")

@@ -1,7 +1,9 @@
-"""The RL loop: rollouts from the engine -> rewards and advantages -> an IPO step of the trainer -> weight sync.
+"""The RL run: rollouts from the engine -> rewards and advantages -> an IPO step of the trainer -> weight sync.
 
-`RLTrainer` is the `Trainer` (model, optimizers, `train_step` with the RL loss and router replay, checkpoints,
-resume, export) fed by an `Orchestrator` instead of a data file. One step s:
+An RL run is the `Trainer` (model, optimizers, `train_step` with the RL loss and router replay, checkpoints,
+resume, export) running the one training loop (`train/loop.py`) with the `RLWorkload`: a `RolloutSource` (the
+`Orchestrator`'s rollouts instead of a data file) and, after each step, the `WeightSync` hook, the rollouts'
+statistics and the reward evaluation. One step s:
 1. the `RolloutPipeline` hands over step s's rollouts (sampled by the policy of step `s - 1 - k` at most,
    `orchestrator.max_off_policy_steps = k`; a batch staler than that is dropped, counted, and resampled) and
    launches the sampling of step s + k on the engine's current weights;
@@ -20,9 +22,8 @@ the last completed step before it ends the run (`train/interrupt.py`).
 
 from __future__ import annotations
 
+import os
 from typing import Any
-
-import torch
 
 from flashnext.errors import ConfigError
 from flashnext.parallel.dist import DistContext
@@ -32,69 +33,52 @@ from flashnext.rl.envs import load_environment
 from flashnext.rl.inference import LocalInference, RemoteInference, SamplingSpec
 from flashnext.rl.orchestrator import Orchestrator, RolloutBatch, RolloutPipeline
 from flashnext.rl.rollouts import empty_like, pack_samples
-from flashnext.train.interrupt import StopOnSignal, check_stop, keep_work
-from flashnext.train.metrics import MetricsLogger, ProgressBar
-from flashnext.train.packing import flop_cost
+from flashnext.train.hooks import Evaluation, PeriodicCheckpoint, Report
+from flashnext.train.loop import Hook, Metrics
+from flashnext.train.metrics import ProgressBar
 from flashnext.train.trainer import Trainer
 
 
-class RLTrainer(Trainer):
-    """A `Trainer` whose batches are rollouts. Rank 0 runs the orchestrator (and, in one process, the engine).
+def rl_trainer(cfg: RLRunConfig, ctx: DistContext | None = None, say=print) -> Trainer:
+    """The `Trainer` of an RL run: rank 0 runs the orchestrator (and, in one process, the engine).
 
     Args:
         cfg: the RL run config.
         ctx: rank / world size (under torchrun, `inference.url` must name a server).
         say: where progress lines go (rank 0).
     """
+    return Trainer(cfg, ctx, say, workload=RLWorkload)
 
-    def __init__(self, cfg: RLRunConfig, ctx: DistContext | None = None, say=print):
-        super().__init__(cfg, ctx, say)
-        if self.ctx.distributed and cfg.inference.url is None:
-            raise ConfigError("under torchrun the rollouts come from a server: set inference.url (--inference-url)")
-        self.engine = self.client = self.sync_client = None
+
+RLTrainer = rl_trainer  # the name the commands, tests and docs know
+
+
+class RolloutSource:
+    """Each step's rollouts (rank 0: the off-policy pipeline over the orchestrator), packed into micro-batches and
+    shared out over the ranks; `batch` / `stale` are the last step's (for `RolloutStats`)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.cfg = trainer, trainer.cfg
+        self.engine = self.client = self.env = self.orch = None
         self.pipeline: RolloutPipeline | None = None
-        self.model_config = getattr(self.model, "model_config", None) or self.text_config
-        if self.ctx.is_main:
+        self.batch: RolloutBatch | None = None
+        self.stale = 0
+        if trainer.ctx.is_main:
             self._build_orchestrator()
 
-    # ---- what the base Trainer builds differently --------------------------------------------------------
-    def _build_data(self) -> None:
-        """No data file: the orchestrator's rollouts are the data."""
-        self.cost_fn = flop_cost(self.text_config)
-        self.loader = self.evaluator = None
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "schedulers": self.schedulers.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-            "orchestrator": self.pipeline.state_dict() if self.pipeline is not None else {},
-        }
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        self.schedulers.load_state_dict(state["schedulers"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        if self.pipeline is not None:
-            self.pipeline.load_state_dict(state.get("orchestrator", {}))
-
-    # ---- rollouts and weights --------------------------------------------------------------------------
     def _build_orchestrator(self) -> None:
-        cfg = self.cfg
+        cfg, t = self.cfg, self.trainer
         self.env = load_environment(
             cfg.env.name, cfg.env.args, seed=cfg.env.seed, eval_percent=cfg.env.eval_percent,
             max_tokens=cfg.env.max_tokens,
         )  # fmt: skip
-        self.env.setup(self.tokenizer, self.model_config)
+        self.env.setup(t.tokenizer, getattr(t.model, "model_config", None) or t.text_config)
         if cfg.inference.url is None:
             self.client = LocalInference(self._local_engine())
         else:
-            import os
-
             inf = cfg.inference
             self.client = RemoteInference(inf.url, os.environ.get(inf.api_key_env) or None)
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.text_config.eos_id
+        eos = t.tokenizer.eos_token_id if t.tokenizer is not None else t.text_config.eos_id
         spec = SamplingSpec(cfg.max_tokens, cfg.rl.temperature, [eos], cfg.orchestrator.router_replay)
         o = cfg.orchestrator
         self.orch = Orchestrator(self.env, self.client, spec, o.batch_size, o.group_size, o.seed, o.std_normalize,
@@ -106,38 +90,33 @@ class RLTrainer(Trainer):
         from flashnext.serve.engine import Engine
         from flashnext.train.setup import build_model
 
-        inf = self.cfg.inference
-        self.engine = Engine(build_model(self.cfg, self.device), self.tokenizer, inf.max_slots, inf.max_model_len,
+        inf, t = self.cfg.inference, self.trainer
+        self.engine = Engine(build_model(self.cfg, t.device), t.tokenizer, inf.max_slots, inf.max_model_len,
                              inf.max_batched_tokens)  # fmt: skip
         return self.engine
 
-    def sync_weights(self, full: bool = False) -> weights.SyncStats:
-        """The trainer's weights -> the engine (collective under torchrun); the engine's version becomes the step."""
+    def next_step(self, step: int) -> list:
+        """Step `step + 1`'s rollouts (launching the sampling of the steps up to `step + 1 + k`); this rank's
+        micro-batches of them (collective under torchrun)."""
+        s, k = step + 1, self.cfg.orchestrator.max_off_policy_steps
+        self.batch, self.stale = None, 0
         if self.pipeline is not None:
-            self.pipeline.wait_idle()
-        if self.cfg.inference.url is None:
-            return weights.sync_local(self.model, self.engine, full=full, version=self.step)
-        if self.sync_client is None:
-            import os
+            for future in range(s, s + k + 1):
+                self.pipeline.launch(future, step)
+            self.batch, self.stale = self.pipeline.get(s, step)
+        return self._share(self.batch)
 
-            inf = self.cfg.inference
-            key = os.environ.get(inf.admin_key_env) or None
-            if key is None:
-                raise ConfigError(f"weight sync to {inf.url} needs the server's admin key in ${inf.admin_key_env}")
-            self.sync_client = weights.HTTPWeightSync(inf.url, key, int(inf.sync_chunk_mb * 2**20))
-        return weights.sync_distributed(self.model, self.sync_client, self.step, full=False)
-
-    def _step_batches(self, batch: RolloutBatch | None):
-        """This rank's micro-batches of the step: rank 0 packs, every rank gets its share (padded with loss-free
-        stand-ins so all ranks run the same number of forwards)."""
-        micro = []
+    def _share(self, batch: RolloutBatch | None) -> list:
+        """Rank 0 packs, every rank gets its share (padded with loss-free stand-ins so all ranks run the same
+        number of forwards)."""
+        t, micro = self.trainer, []
         if batch is not None and batch.samples:
-            L, k = self.text_config.num_hidden_layers, self.text_config.num_experts_per_tok
-            cfg = getattr(self.model, "model_config", None)
+            L, k = t.text_config.num_hidden_layers, t.text_config.num_experts_per_tok
+            cfg = getattr(t.model, "model_config", None)
             vision = getattr(cfg, "vision_config", None)
             mrope = (vision.spatial_merge_size, cfg.image_token_id) if vision is not None else None
             micro = pack_samples(batch.samples, self.cfg.orchestrator.micro_batch_tokens, L, k, mrope)
-        world = self.ctx.world_size
+        world = t.ctx.world_size
         if world > 1:
             import torch.distributed as dist
 
@@ -146,97 +125,119 @@ class RLTrainer(Trainer):
             micro = box[0]
             while len(micro) % world:
                 micro.append(empty_like(micro[0]))
-            micro = micro[self.ctx.rank :: world]
+            micro = micro[t.ctx.rank :: world]
         return micro
 
-    # ---- the run ---------------------------------------------------------------------------------------
-    def run(self) -> list[dict[str, float]]:
-        """Train to `train.steps`: rollouts, IPO steps, weight syncs, evaluations, checkpoints; returns the
-        metrics of the steps run here."""
-        self._claim_out_dir()
-        self.maybe_resume()
-        if self.step >= self.cfg.train.steps:
-            self.say(f"run already finished at step {self.step} (train.steps={self.cfg.train.steps})")
-            return []
-        first_sync = self.sync_weights(full=self.cfg.inference.url is None)
-        self.say(
-            f"rl: env {self.cfg.env.name!r}, {self.cfg.orchestrator.batch_size} prompts x "
-            f"{self.cfg.orchestrator.group_size} samples per step, max_off_policy_steps "
-            f"{self.cfg.orchestrator.max_off_policy_steps}, rollouts from "
-            f"{self.cfg.inference.url or 'an engine in this process'}; steps {self.step} -> {self.cfg.train.steps}; "
+    def wait_idle(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.wait_idle()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollouts already sampled for future steps."""
+        return {"orchestrator": self.pipeline.state_dict() if self.pipeline is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(state.get("orchestrator", {}))
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+
+class WeightSync:
+    """After each step, the trainer's weights -> the engine (in place in one process, streamed to the server
+    across processes; collective under torchrun) once the rollouts in flight are sampled; `sync/*` metrics."""
+
+    def __init__(self, trainer: Trainer, source: RolloutSource):
+        self.trainer, self.source, self.http = trainer, source, None
+
+    def __call__(self, full: bool = False) -> weights.SyncStats:
+        """Sync now; the engine's weight version becomes the trainer's step."""
+        t, inf = self.trainer, self.trainer.cfg.inference
+        self.source.wait_idle()
+        if inf.url is None:
+            return weights.sync_local(t.model, self.source.engine, full=full, version=t.step)
+        if self.http is None:
+            key = os.environ.get(inf.admin_key_env) or None
+            if key is None:
+                raise ConfigError(f"weight sync to {inf.url} needs the server's admin key in ${inf.admin_key_env}")
+            self.http = weights.HTTPWeightSync(inf.url, key, int(inf.sync_chunk_mb * 2**20))
+        return weights.sync_distributed(t.model, self.http, t.step, full=False)
+
+    def start(self, row: Metrics) -> None:
+        pass
+
+    def after_step(self, metrics: Metrics, last: bool) -> None:
+        metrics.update(self(full=False).metrics())
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutStats:
+    """The step's rollout metrics (`reward/*`, `rollout/*`) and its staleness (`off_policy/*`), on rank 0."""
+
+    def __init__(self, source: RolloutSource):
+        self.source = source
+
+    def start(self, row: Metrics) -> None:
+        pass
+
+    def after_step(self, metrics: Metrics, last: bool) -> None:
+        batch = self.source.batch
+        if batch is None:
+            return
+        ages = [metrics["step"] - 1 - x.policy_step for x in batch.samples]
+        metrics.update(batch.stats)
+        metrics.update({
+            "off_policy/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "off_policy/staleness_max": max(ages, default=0),
+            "off_policy/dropped": self.source.stale, "off_policy/dropped_total": self.source.pipeline.dropped_stale,
+        })  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+class RLWorkload:
+    """The training loop's parts for an RL run (`loop.Workload`): rollouts in, weight sync and evaluation out."""
+
+    def __init__(self, trainer: Trainer):
+        if trainer.ctx.distributed and trainer.cfg.inference.url is None:
+            raise ConfigError("under torchrun the rollouts come from a server: set inference.url (--inference-url)")
+        self.trainer = trainer
+        self.source = RolloutSource(trainer)
+        self.sync_weights = WeightSync(trainer, self.source)
+
+    def announce(self) -> None:
+        """The first weight sync (the whole model to an engine in this process), then the run's line."""
+        t, cfg = self.trainer, self.trainer.cfg
+        first_sync = self.sync_weights(full=cfg.inference.url is None)
+        o = cfg.orchestrator
+        t.say(
+            f"rl: env {cfg.env.name!r}, {o.batch_size} prompts x {o.group_size} samples per step, "
+            f"max_off_policy_steps {o.max_off_policy_steps}, rollouts from "
+            f"{cfg.inference.url or 'an engine in this process'}; steps {t.step} -> {cfg.train.steps}; "
             f"weights synced in {first_sync.seconds:.2f}s"
         )
-        try:
-            history = keep_work(self, self._loop)  # SIGINT/SIGTERM or a failure: the last completed step is saved
-            path = self.save_checkpoint()
-        finally:
-            if self.pipeline is not None:
-                self.pipeline.close()
-        self.say(f"checkpoint: {path}")
-        if self.cfg.checkpoint.export:
-            self.export(self.out_dir / "final")
-            self.say(f"exported the model in the official layout to {self.out_dir / 'final'}")
-        self._summary(history)
-        return history
 
-    def _loop(self, stop: StopOnSignal) -> list[dict[str, float]]:
-        cfg = self.cfg
-        logger = MetricsLogger(self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main, resume_step=self.step,
-                               wandb=cfg.log.wandb_project)  # fmt: skip
-        bar = RLProgressBar(cfg.train.steps, self.step, enabled=cfg.log.progress and self.ctx.is_main)
-        history = []
-        try:
-            if self.step == 0 and self.ctx.is_main and cfg.orchestrator.eval_tasks:
-                start = {"step": 0, **self.orch.evaluate()}
-                logger.log(start)
-                bar.eval = start
-                history.append(start)
-            while self.step < cfg.train.steps:
-                check_stop(self, stop)
-                metrics = self.rl_step()
-                last = self.step == cfg.train.steps
-                every = cfg.orchestrator.eval_every
-                if self.ctx.is_main and cfg.orchestrator.eval_tasks and (last or (every and self.step % every == 0)):
-                    metrics.update(self.orch.evaluate())
-                history.append(metrics)
-                bar.update(metrics)
-                if self.step % cfg.log.every == 0 or last or "reward/eval_mean" in metrics:
-                    logger.log(metrics)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
-                    bar.write(f"checkpoint: {self.save_checkpoint()}", self.say)
-        finally:
-            bar.close()
-            logger.close()
-        return history
+    def hooks(self) -> list[Hook]:
+        t, cfg = self.trainer, self.trainer.cfg
+        report = Report.of_run(t, RLProgressBar, "reward/eval_mean")
+        o = cfg.orchestrator
+        evaluation = [Evaluation(self.source.orch.evaluate, o.eval_every, at_start=True)] if (
+            t.ctx.is_main and o.eval_tasks) else []  # fmt: skip
+        return [self.sync_weights, RolloutStats(self.source), *evaluation, report,
+                PeriodicCheckpoint(t.save_checkpoint, cfg.checkpoint.every, report.write)]  # fmt: skip
 
-    def rl_step(self) -> dict[str, float]:
-        """One RL step (see the module doc); collective under torchrun. Returns its metrics (rank 0's complete)."""
-        s, k = self.step + 1, self.cfg.orchestrator.max_off_policy_steps
-        batch, stale = None, 0
-        if self.pipeline is not None:
-            for future in range(s, s + k + 1):
-                self.pipeline.launch(future, self.step)
-            batch, stale = self.pipeline.get(s, self.step)
-        metrics = self.train_step(self._step_batches(batch))
-        sync = self.sync_weights()
-        metrics.update(sync.metrics())
-        if batch is not None:
-            ages = [self.step - 1 - x.policy_step for x in batch.samples]
-            metrics.update(batch.stats)
-            metrics.update({
-                "off_policy/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-                "off_policy/staleness_max": max(ages, default=0),
-                "off_policy/dropped": stale, "off_policy/dropped_total": self.pipeline.dropped_stale,
-            })  # fmt: skip
-        return metrics
-
-    def _summary(self, history: list[dict[str, float]]) -> None:
+    def summary(self, history: list[Metrics]) -> str | None:
         evals = [m["reward/eval_mean"] for m in history if "reward/eval_mean" in m]
         steps = [m for m in history if "loss" in m]
         if not steps:
-            return
+            return None
         kl = max(m.get("rl/mismatch_kl", 0.0) for m in steps)
-        self.say(
+        return (
             f"done: step {steps[-1]['step']}, train reward {steps[0].get('reward/mean', float('nan')):.3f} -> "
             f"{steps[-1].get('reward/mean', float('nan')):.3f}"
             + (f", eval reward {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else "")
@@ -251,9 +252,12 @@ class RLProgressBar(ProgressBar):
         super().__init__(total, initial, enabled)
         self.eval: dict[str, float] = {}
 
-    def update(self, m: dict[str, Any]) -> None:
+    def note(self, m: dict[str, Any]) -> None:
         if "reward/eval_mean" in m:
             self.eval = m
+
+    def update(self, m: dict[str, Any]) -> None:
+        self.note(m)
         if self.bar is None:
             return
         post = {"reward": f"{m.get('reward/mean', float('nan')):.3f}"}

@@ -1,6 +1,6 @@
 """A run that stops keeps its work: SIGINT/SIGTERM and an exception inside the loop save a resumable checkpoint.
 
-`keep_work(trainer, loop)` runs a trainer's step loop (`Trainer._loop`, `RLTrainer._loop`) with:
+`keep_work(trainer, loop)` runs a trainer's step loop (`loop.train_loop`, for SFT and RL runs alike) with:
 - **signals**: while the loop runs, the first SIGINT (Ctrl-C) or SIGTERM only sets a flag; the loop asks
   `stop.requested()` before each step, so the step in flight finishes, the checkpoint of the last completed step is
   saved and `RunInterrupted` ends the run: one line saying where the checkpoint is and how to continue; the
@@ -21,17 +21,23 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from flashnext.errors import FlashNextError
 
-if TYPE_CHECKING:
-    from flashnext.train.trainer import Trainer
-
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RESUME_HINT = "to continue, run the same command with --resume (without --overwrite)"
+
+
+class Checkpointed(Protocol):
+    """What keeping the work needs of a trainer: its step, its `DistContext` and a checkpoint of the current step."""
+
+    step: int
+    ctx: Any
+
+    def save_checkpoint(self) -> Any: ...
 
 
 class RunInterrupted(FlashNextError):
@@ -82,7 +88,7 @@ class StopOnSignal:
         return int(flag.item())
 
 
-def keep_work(trainer: Trainer, loop: Callable[[StopOnSignal], list]) -> list:
+def keep_work(trainer: Checkpointed, loop: Callable[[StopOnSignal], list]) -> list:
     """`loop(stop)` (it calls `check_stop(trainer, stop)` before each step) with the module doc's signal and failure
     handling; returns what the loop returns."""
     start = trainer.step
@@ -96,7 +102,7 @@ def keep_work(trainer: Trainer, loop: Callable[[StopOnSignal], list]) -> list:
             raise
 
 
-def check_stop(trainer: Trainer, stop: StopOnSignal) -> None:
+def check_stop(trainer: Checkpointed, stop: StopOnSignal) -> None:
     """Between steps: on a stop request save the checkpoint of the last completed step and raise `RunInterrupted`."""
     signum = stop.requested()
     if not signum:
@@ -106,7 +112,7 @@ def check_stop(trainer: Trainer, stop: StopOnSignal) -> None:
     raise RunInterrupted(f"stopped by {name} after step {trainer.step}: checkpoint {path}; {RESUME_HINT}", signum)
 
 
-def _save_after_failure(trainer: Trainer, start: int) -> str:
+def _save_after_failure(trainer: Checkpointed, start: int) -> str:
     """Save the last completed step after a failure; the note to add to the error (where, or why not)."""
     if trainer.ctx.distributed:
         return "no checkpoint saved (under torchrun a failed rank cannot save collectively): resume from the newest one"

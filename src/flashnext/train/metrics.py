@@ -72,8 +72,12 @@ class ProgressBar:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
-    def update(self, m: dict[str, Any]) -> None:
+    def note(self, m: dict[str, Any]) -> None:
+        """Keep an evaluation's result for the bar (shown until the next one)."""
         self.eval_loss = m.get("eval_loss", self.eval_loss)
+
+    def update(self, m: dict[str, Any]) -> None:
+        self.note(m)
         if self.bar is None:
             return
         post = {"loss": f"{m['loss']:.4f}"}

@@ -101,3 +101,42 @@ def swap_in(tmp: str | Path, final: str | Path) -> Path:
         os.close(fd)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def claim(out_dir: Path, resume: str | None, overwrite: bool, ctx, say=print) -> None:
+    """Refuse a previous run in `out_dir` (unless resuming), or clear it with `overwrite` (rank 0); every rank of
+    `ctx` (a `DistContext`) waits until then, so nobody writes before rank 0 has checked and cleared."""
+    if ctx.is_main:
+        check_out_dir(out_dir, resume, overwrite)
+        if overwrite:
+            gone = clear_run(out_dir)
+            if gone:
+                say(f"overwrite: deleted the previous run's {', '.join(gone)} in {out_dir}")
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def export_model(model, tokenizer, ctx, path: str | Path) -> None:
+    """`model`'s weights in the official Hugging Face layout (+ the tokenizer's files) at `path`; collective.
+
+    The export is written to a temp directory beside `path`, which then replaces `path` whole (no file of an
+    older export survives beside the new one). With a process group every rank writes what it owns (n-gram
+    table shards) and rank 0 the rest.
+    """
+    path = Path(path)
+    tmp = export_dir(path, clear=ctx.is_main)
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        from flashnext.parallel import export_pretrained
+
+        dist.barrier()  # rank 0 emptied the temp directory
+        export_pretrained(model, tmp)
+    else:
+        model.save_pretrained(tmp)
+    if ctx.is_main:
+        if tokenizer is not None and hasattr(tokenizer, "save"):
+            tokenizer.save(tmp)
+        swap_in(tmp, path)

@@ -1,10 +1,12 @@
 """What a training run is built from: the device, the model (built, or loaded and maybe frozen), its tokenizer and
-its examples (train and held-out), each checked against the model before step 1.
+its examples (train and held-out), each checked against the model before step 1; the seeds, the context-parallel
+group, compile and activation checkpointing, the optimizers and mixed precision.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -15,6 +17,8 @@ from flashnext.parallel.dist import DistContext
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, ModelLimits, load_jsonl
 from flashnext.train.evaluation import split_eval
+from flashnext.train.optim import Schedulers, build_optimizer
+from flashnext.train.precision import MixedPrecision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -170,3 +174,75 @@ def needs_tokenizer(cfg: RunConfig) -> bool:
         except (OSError, ValueError, TypeError):
             return True  # let the loader report the file or line
     return False
+
+
+def seed_threads(cfg: RunConfig) -> None:
+    """Threads and the torch/python seeds of the run (the data order has its own seed)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+
+
+def check_vocab(tokenizer, text_config: TextConfig) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > text_config.vocab_size:
+        raise ConfigError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {text_config.vocab_size}"
+        )
+
+
+def context_group_of(cfg: RunConfig, ctx: DistContext, model: torch.nn.Module):
+    """`parallel.cp > 1`: this rank's CP group (`parallel.context`), whose ranks split each micro-batch; else None."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return None
+    from flashnext.model.text import FlashNextForCausalLM
+    from flashnext.parallel.context import context_group
+
+    if not ctx.distributed or cfg.train.compile or not isinstance(model, FlashNextForCausalLM):
+        raise ConfigError(f"parallel.cp={cp} needs a torchrun launch, a text model and train.compile=false")
+    if cfg.train.mtp_loss_weight > 0:
+        raise ConfigError(
+            f"parallel.cp={cp} with train.mtp_loss_weight > 0 is not supported (the MTP head's targets "
+            "are two tokens ahead, across the slice's edge)"
+        )
+    text = model.config
+    ratio = text.indexer_compress_ratio if text.qsa_enabled else 1
+    return context_group(ctx.rank, ctx.world_size, cp, ratio)
+
+
+def wrap_model(model: torch.nn.Module, cfg: RunConfig) -> None:
+    """Compile, then activation checkpointing, in one process (under torchrun `parallelize` applies both)."""
+    if cfg.train.compile:
+        from flashnext.compile import compile_model
+
+        compile_model(model)  # before checkpointing: it compiles the plain layers
+    if cfg.train.activation_checkpointing:
+        from flashnext.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+
+
+def build_optimizers(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> tuple[dict, list, Schedulers]:
+    """(optimizers, param groups, schedule): Muon / per-expert Muon / AdamW groups, shard-aware under FSDP2."""
+    optimizers, param_groups = build_optimizer(model, cfg.optim)
+    if ctx.distributed:
+        from flashnext.parallel import shard_aware_optimizers
+
+        shard_aware_optimizers(optimizers)  # Muon orthogonalises whole matrices, not FSDP shards
+    return optimizers, param_groups, Schedulers(optimizers, cfg.optim)
+
+
+def mixed_precision(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, device: torch.device):
+    """bf16 compute copies over the fp32 parameters (`train.compute_dtype`) in a single process (a
+    `MixedPrecision`), or None."""
+    if cfg.train.compute_dtype == cfg.model.dtype:
+        return None  # fp32 throughout, or bf16 parameters throughout
+    if ctx.distributed:
+        if device.type == "cuda":
+            return None  # FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 sharded masters (`parallelize`)
+        raise ConfigError(
+            "train.compute_dtype='bfloat16' with fp32 parameters is not supported under torchrun on CPU "
+            "(FSDP2's bf16 policy is enabled on CUDA only); use model.dtype='bfloat16' or compute in float32"
+        )
+    return MixedPrecision(model, DTYPES[cfg.train.compute_dtype])
