@@ -57,26 +57,21 @@ each runs on one version of the weights: `weight_version`, recorded per request)
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.errors import ConfigError, InputError
 from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
-from flashnext.serve.intake import check_prompt, encode_prompt, image_positions, make_choices
-from flashnext.serve.loading import max_token_bytes
+from flashnext.serve.intake import Intake, check_speculative
 from flashnext.serve.model_step import ModelStep
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampler import Sampler
-from flashnext.serve.sampling import FAILED, MAX_SPECULATIVE_TOKENS, FieldError, SamplingParams
+from flashnext.serve.sampling import FAILED, SamplingParams
 from flashnext.serve.scheduler import Scheduler
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
@@ -85,7 +80,6 @@ from flashnext.serve.weight_update import copy_pieces
 __all__ = ["Completion", "Engine", "EngineStats", "Request"]
 
 log = logging.getLogger("flashnext.serve")
-NO_MTP = "this model has no MTP draft head (mtp.* weights with mtp_num_hidden_layers in its config.json)"
 
 
 class Engine:
@@ -120,11 +114,7 @@ class Engine:
         decode_buckets: Sequence[int] | None = None,
         compile_backend: str = "inductor",
     ):
-        k = num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if k and getattr(model, "mtp", None) is None:
-            raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
+        k = check_speculative(num_speculative_tokens, model)
         self.model = prepare_for_inference(model)
         self.config = model.config
         self.tokenizer = tokenizer
@@ -134,26 +124,20 @@ class Engine:
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_id = eos if eos is not None else self.config.eos_id
-        per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
-        # A text prompt longer than this cannot fit in max_model_len tokens: refused before tokenizing.
-        self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
         self.scheduler = Scheduler(self.cache)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the scheduler's, shared
         self.sampler = Sampler(tokenizer, self.eos_id, max_model_len)
-        self._lock = threading.Lock()
-        self._incoming: deque[Request] = deque()
-        self._aborts: set[str] = set()
         self._finished: list[Request] = []  # finished during the current step
-        self._ids = itertools.count()
         self.stats = EngineStats()
         self.admitting = True  # False: finish the running requests, start no queued one (a weight update waits)
         self.weight_version = 0  # bumped by whoever updates the weights; recorded on each admitted request
         self.num_speculative_tokens = k
         has_mtp = getattr(model, "mtp", None) is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
-        self.decode_graph = None
-        if decode_graph:  # decode-only steps as one compiled / captured graph per batch bucket
-            self.decode_graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend)
+        graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
+        self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
+        self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
+        self.max_prompt_bytes = self.intake.max_prompt_bytes  # a longer text prompt is refused before tokenizing
         self.model_step = ModelStep(self.model, self.cache, self.device, self.speculator, self.decode_graph)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -180,37 +164,19 @@ class Engine:
         `length_field`: the client's name for `max_tokens`; when given, a prompt + `max_tokens` past
         `max_model_len` is refused naming it (OpenAI semantics) instead of ending early with "length".
         """
-        params = params or SamplingParams()
-        params.validate()
-        if params.n > self.cache.max_slots:
-            raise FieldError(f"n={params.n} exceeds max_slots={self.cache.max_slots} (the choices run at once)", "n")
-        ids = self.encode(prompt)
-        check_prompt(ids, params, self.max_model_len, self.config.vocab_size, length_field)
-        if params.stop and self.tokenizer is None:
-            raise InputError("stop strings need a tokenizer")
-        spec_k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if spec_k and self.speculator is None:
-            raise FieldError(f"num_speculative_tokens={spec_k}: {NO_MTP}", "num_speculative_tokens")
-        if params.return_routed_experts:  # drafts' experts would need trimming on rejection; same tokens without them
-            spec_k = 0
-        mrope = None
-        if pixel_values is not None or image_grid_thw is not None:
-            mrope = image_positions(self.model, ids, pixel_values, image_grid_thw)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        images = (pixel_values, image_grid_thw) if mrope is not None else None
-        parent = make_choices(rid, ids, params, self.device, on_update, group, mrope, images, spec_k)
-        with self._lock:
-            self._incoming.append(parent)
+        parent = self.intake.request(
+            prompt, params, request_id, on_update, pixel_values, image_grid_thw, group, length_field
+        )
+        self.scheduler.submit(parent)
         return parent
 
     def abort(self, request_id: str) -> None:
         """Cancel a request, all its choices (thread-safe); slots are freed at the start of the next step."""
-        with self._lock:
-            self._aborts.add(request_id)
+        self.scheduler.cancel(request_id)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids; a text prompt is checked (valid Unicode, not certainly too long) before tokenizing."""
-        return encode_prompt(prompt, self.tokenizer, self.max_prompt_bytes, self.max_model_len)
+        return self.intake.encode(prompt)
 
     def load_weights(self, pieces) -> tuple[int, int]:
         """Copy new weights into the model in place: `(name, tensor[, start row])` pieces by state-dict name
@@ -219,9 +185,7 @@ class Engine:
         return copy_pieces(self.model, pieces)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            pending = bool(self._incoming)
-        return pending or bool(self.waiting) or bool(self.running)
+        return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -240,97 +204,52 @@ class Engine:
         return done
 
     def _advance(self, plan: list[tuple[Request, int]], out, t0: float, routing=None, prompt=None):
-        """After a successful forward: record asked prompt log-probs, count the fed tokens, fork n-choice prompts,
+        """After a successful forward: record asked prompt log-probs, count the fed tokens (`Scheduler.advance`),
         sample the due entries (a request with `max_tokens` 0 ends instead), verify drafts and propose new ones
-        (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests that asked keep their rows;
-        they never carry drafts, see `add_request`); `prompt`: `ModelStep`'s prompt positions and their logits."""
+        (speculative steps). `routing`, `prompt`: `ModelStep`'s routed experts, prompt positions and logits."""
         if prompt is not None:
             for req, why in prompt_logprobs.record(*prompt):  # its own failure, as a non-finite sampled row
                 log.error("request %s failed: %s", req.request_id, why)
                 self._finish(req, "error", why)
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
-        rows, to_sample, to_verify, cells = [], [], [], []
-        prompt_fed = recomputed = offset = 0
-        for i, (req, n) in enumerate(plan):
-            if req.finished:  # failed on its prompt's log-probs just now (its slot is free; row i stays unread)
-                continue
-            if req.suspect:
-                recomputed += n
-            else:
-                prompt_fed += max(0, min(n, len(req.prompt_ids) - req.num_cached))
-            if req.params.return_routed_experts:
-                req.record_routing(routing[offset : offset + n])
-            offset += n + len(req.drafts)  # the stream carries each entry's drafts after its tokens
-            cells.append((req, i))
-            if not self.scheduler.advance(req, n):  # the next token is due once it fed everything known
-                continue
-            if req.drafts:
-                to_verify.append((req, i, n))
-                continue
-            if req.params.max_tokens == 0:  # the prompt was only to be scored; its choices end with it
-                self._finish(req, "length")
-                continue
-            row = i if spec is None else spec.first_row[i]
-            rows.append(row)
-            to_sample.append(req)
-            for child in self.scheduler.fork(req):  # prompt prefilled: its other choices start from its state
-                rows.append(row)
-                to_sample.append(child)
-                cells.append((child, i))
-        emitted = len(to_sample)
-        if to_sample:
-            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
-        for req, i, n in to_verify:
+        fed = self.scheduler.advance(plan, routing, None if spec is None else spec.first_row)
+        for req in fed.scored_only:
+            self._finish(req, "length")
+        emitted = len(fed.to_sample)
+        if fed.to_sample:
+            rows = fed.rows
+            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], fed.to_sample)
+        for req, i, n in fed.to_verify:
             emitted += self._verify(req, i, n, spec)
         if spec is not None:
-            self._propose(cells, spec)
-        self.stats.step(prompt_fed, time.perf_counter() - t0, emitted, recomputed)
+            self.speculator.propose_or_stop(fed.cells, spec)
+        self.stats.step(fed.prompt_fed, time.perf_counter() - t0, emitted, fed.recomputed)
 
     def _verify(self, req: Request, i: int, n: int, out: SpecForward) -> int:
-        """Accept entry i's drafts, roll its slot back past the first rejected one, record the emitted tokens;
-        returns how many were emitted."""
-        try:
-            verdict = self.speculator.verify(req, out, i)
-        except Exception as e:  # this request's problem alone, as a failing sampled row
-            log.exception("request %s: verifying its drafts failed", req.request_id)
-            self._finish(req, "error", f"verifying draft tokens failed: {type(e).__name__}: {e}")
-            return 0
+        """Accept entry i's drafts, roll its slot back past the first rejected one (`Speculator.settle`), record
+        the emitted tokens; returns how many were emitted."""
+        verdict, error = self.speculator.settle(req, i, n, out)
         if verdict is None:
-            self._finish(req, "error", "the model's logits for this request are not finite (NaN or inf)")
+            self._finish(req, "error", error)
             return 0
-        self.speculator.commit(req, i, n, verdict, out)
         self._emit(req, verdict.tokens, verdict.chosen, verdict.top, list(range(len(verdict.tokens))))
         return len(verdict.tokens)
 
-    def _propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
-        """New MTP cells and drafts for the step's speculating requests; a failure only turns their speculation
-        off (their tokens stay exact: drafts are only ever proposals)."""
-        try:
-            self.speculator.propose(cells, out)
-        except Exception:
-            log.exception("the MTP draft head failed; speculation is off for the requests of this step")
-            for req, _ in cells:
-                req.spec_k, req.drafts = 0, []
-
     def _recover(self, plan: list[tuple[Request, int]], exc: Exception) -> None:
-        """A forward over `plan` raised: end its request if it ran alone, else reset and suspect them all."""
+        """A forward over `plan` raised: end its request if it ran alone, else preempt them all (they become
+        suspects, `Scheduler.preempt`)."""
         self.stats.failed_steps += 1
         what = f"{type(exc).__name__}: {exc}"
-        if len(plan) == 1:
-            req = plan[0][0]
-            log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
-            self._finish(req, "error", f"the model step failed on this request: {what}")
+        if len(plan) > 1:
+            self.scheduler.preempt(plan, what)
             return
-        ids = ", ".join(req.request_id for req, _ in plan)
-        log.warning("model step of %d requests failed (%s); recomputing them one at a time: %s", len(plan), what, ids)
-        self.scheduler.preempt(plan)
+        req = plan[0][0]
+        log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
+        self._finish(req, "error", f"the model step failed on this request: {what}")
 
     def _take_incoming(self) -> None:
-        with self._lock:
-            self.waiting.extend(self._incoming)
-            self._incoming.clear()
-            aborts, self._aborts = self._aborts, set()
+        aborts = self.scheduler.take_incoming()
         if aborts:
             for req in [r for r in self.scheduler.unfinished() if r.group in aborts or r.request_id in aborts]:
                 self._finish(req, "abort", "cancelled")
@@ -339,37 +258,26 @@ class Engine:
         """Sample row i of `logits` for `reqs[i]` and record it; a row that cannot be sampled ends its request."""
         tokens, chosen, top, errors = self.sampler.sample(logits, reqs)
         for i, req in enumerate(reqs):
-            tok = tokens[i]
-            if tok == FAILED:
-                msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
-                log.error("request %s failed: %s", req.request_id, msg)
-                self._finish(req, "error", msg)
+            if tokens[i] != FAILED:
+                self._emit(req, [tokens[i]], [chosen[i]] if chosen is not None else None, top, [i])
                 continue
-            self._emit(req, [tok], [chosen[i]] if chosen is not None else None, top, [i])
+            msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
+            log.error("request %s failed: %s", req.request_id, msg)
+            self._finish(req, "error", msg)
 
     def _emit(self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]) -> None:
-        """Record `tokens` in order (log-probs `chosen[j]`, top-n row `rows[j]` of `top`) until one stops the
-        request; then finish or notify it. A failure processing them ends this request alone."""
-        now = time.perf_counter()
-        for j, tok in enumerate(tokens):
-            try:
-                reason = self.sampler.record(req, tok, chosen[j] if chosen is not None else None, top, rows[j], now)
-            except Exception as e:  # e.g. the tokenizer failing on this request's text: its problem alone
-                log.exception("request %s failed after sampling", req.request_id)
-                self._finish(req, "error", f"processing the sampled token failed: {type(e).__name__}: {e}")
-                return
-            if reason is not None:
-                self._finish(req, reason)
-                return
-        self._notify(req)
+        """Record `tokens` (`Sampler.emit`); then finish or notify the request."""
+        reason, error = self.sampler.emit(req, tokens, chosen, top, rows)
+        if reason is None:
+            self._notify(req)
+        else:
+            self._finish(req, reason, error)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End `req` (idempotent): free its slot, count it, tell its client; pending children share its end."""
         if req.finished:
             return
-        req.finish_reason = reason
-        req.error = error
-        req.finish_time = time.perf_counter()
+        req.finish_reason, req.error, req.finish_time = reason, error, time.perf_counter()
         req.images = req.prompt_embeds = None
         req.drafts = []
         self.scheduler.release(req)
@@ -388,8 +296,7 @@ class Engine:
         except Exception as e:  # its client is gone or broken: cancel the request, keep serving the others
             log.warning("update callback of %s failed (%s: %s); cancelling it", req.request_id, type(e).__name__, e)
             if not req.finished:
-                with self._lock:
-                    self._aborts.add(req.group)
+                self.scheduler.cancel(req.group)
 
     def fail_all(self, reason: str, message: str) -> list[Request]:
         """End every queued, running and incoming request with `reason` ("error" or "abort") and `message`.
@@ -397,9 +304,7 @@ class Engine:
         The server's last resort (an exception outside the model step, or shutdown); safe to call when the
         engine's state is inconsistent: a request that cannot be finished cleanly is still marked and notified.
         """
-        with self._lock:
-            self.waiting.extend(self._incoming)
-            self._incoming.clear()
+        self.scheduler.take_incoming(aborts=False)
         for req in list(self.scheduler.unfinished()):
             try:
                 self._finish(req, reason, message)

@@ -1,21 +1,92 @@
 """A request's way in: its prompt encoded and checked, its images' MRoPE positions, its n choices built.
 
-Every check raises `InputError` (a `FieldError` naming the client's field where there is one) before anything
-is queued; `Engine.add_request` calls them in order and queues the parent `make_choices` returns.
+`Intake.request` (what `Engine.add_request` calls) checks a request against the engine's limits and builds the
+parent of its choices, for the scheduler to queue. Every check raises `InputError` (a `FieldError` naming the
+client's field where there is one) before anything is queued.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.errors import InputError
+from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
+from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.request import Request
-from flashnext.serve.sampling import FieldError, SamplingParams, check_text, choice_seed, random_seed
+from flashnext.serve.sampling import (
+    MAX_SPECULATIVE_TOKENS,
+    FieldError,
+    SamplingParams,
+    check_text,
+    choice_seed,
+    random_seed,
+)
 
-__all__ = ["check_prompt", "encode_prompt", "image_positions", "make_choices"]
+__all__ = ["NO_MTP", "Intake", "check_prompt", "check_speculative", "encode_prompt", "image_positions", "make_choices"]
+
+NO_MTP = "this model has no MTP draft head (mtp.* weights with mtp_num_hidden_layers in its config.json)"
+
+
+class Intake:
+    """Checks new requests against `Engine`'s limits and builds them (see `Engine.add_request`).
+
+    `speculative_default`: draft tokens of a request that does not set its own; `can_speculate`: the model has
+    an MTP head. A text prompt longer than `max_prompt_bytes` cannot fit in `max_model_len` tokens: refused
+    before tokenizing (None without a tokenizer)."""
+
+    def __init__(self, model, tokenizer, max_slots: int, max_model_len: int, speculative_default: int, can_speculate):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        self.speculative_default = speculative_default
+        self.can_speculate = can_speculate
+        self.device = next(model.parameters()).device
+        per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
+        self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids (`encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, self.max_prompt_bytes, self.max_model_len)
+
+    def request(
+        self, prompt, params: SamplingParams | None, request_id, on_update, pixel_values, image_grid_thw, group,
+        length_field,
+    ) -> Request:  # fmt: skip
+        """The checked request's parent choice (the arguments are `Engine.add_request`'s)."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.n > self.max_slots:
+            raise FieldError(f"n={params.n} exceeds max_slots={self.max_slots} (the choices run at once)", "n")
+        ids = self.encode(prompt)
+        check_prompt(ids, params, self.max_model_len, self.model.config.vocab_size, length_field)
+        if params.stop and self.tokenizer is None:
+            raise InputError("stop strings need a tokenizer")
+        spec_k = self.speculative_default if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if spec_k and not self.can_speculate:
+            raise FieldError(f"num_speculative_tokens={spec_k}: {NO_MTP}", "num_speculative_tokens")
+        if params.return_routed_experts:  # drafts' experts would need trimming on rejection; same tokens without them
+            spec_k = 0
+        mrope = None
+        if pixel_values is not None or image_grid_thw is not None:
+            mrope = image_positions(self.model, ids, pixel_values, image_grid_thw)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        images = (pixel_values, image_grid_thw) if mrope is not None else None
+        return make_choices(rid, ids, params, self.device, on_update, group, mrope, images, spec_k)
+
+
+def check_speculative(k, model) -> int:
+    """The engine's default draft tokens `k`, checked: an integer in [0, MAX_SPECULATIVE_TOKENS], 0 for a
+    model without an MTP head. Raises `ConfigError`."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    if k and getattr(model, "mtp", None) is None:
+        raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
+    return k
 
 
 def encode_prompt(

@@ -1,12 +1,15 @@
 """The engine's sampler: a token for each due row, its log-probs, and the request's stop conditions.
 
 `Sampler.sample` draws one token per logits row with each request's params and generator (`serve.sampling.sample`;
-a row that cannot be sampled comes back as `FAILED` with its reason); `Sampler.record` appends a token and its
-log-probs to a request and returns its stop reason ("stop", "length") or None. Finishing and notifying the
-request is the engine's.
+a row that cannot be sampled comes back as `FAILED` with its reason); `Sampler.emit` appends tokens and their
+log-probs to a request until one stops it and returns why ("stop", "length"; "error" with a message when
+processing a token failed: that request's problem alone). Finishing and notifying the request is the engine's.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
@@ -14,6 +17,8 @@ from flashnext.serve.request import Request
 from flashnext.serve.sampling import sample
 
 __all__ = ["Sampler"]
+
+log = logging.getLogger("flashnext.serve")
 
 
 class Sampler:
@@ -40,6 +45,22 @@ class Sampler:
         top_n = max((r.params.logprobs or 0) for r in reqs)
         top = torch.topk(logprobs, top_n, dim=-1) if top_n else None
         return tokens_host, chosen, top, errors
+
+    def emit(
+        self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]
+    ) -> tuple[str | None, str | None]:
+        """Record `tokens` in order (log-probs `chosen[j]`, top-n row `rows[j]` of `top`) until one stops the
+        request: (its finish reason, an error message) or (None, None) when it goes on."""
+        now = time.perf_counter()
+        for j, tok in enumerate(tokens):
+            try:
+                reason = self.record(req, tok, chosen[j] if chosen is not None else None, top, rows[j], now)
+            except Exception as e:  # e.g. the tokenizer failing on this request's text: its problem alone
+                log.exception("request %s failed after sampling", req.request_id)
+                return "error", f"processing the sampled token failed: {type(e).__name__}: {e}"
+            if reason is not None:
+                return reason, None
+        return None, None
 
     def record(self, req: Request, tok: int, chosen: float | None, top, i: int, now: float) -> str | None:
         """Append a sampled token (and its log-probs, top-n from row `i` of `top`) to `req`; its stop reason or
