@@ -1,4 +1,8 @@
-"""Continuous-batching inference engine over a `StateCache`.
+"""Continuous-batching inference engine over a `StateCache`: the wiring of its parts.
+
+`serve.intake` checks and builds requests; `serve.scheduler` queues them, assigns slots, plans each step (chunked
+prefill) and preempts; `serve.model_step` runs the plan (eager, decode graph or speculative); `serve.sampler`
+samples and checks stops; `serve.speculative` verifies and proposes drafts; `serve.weight_update` copies weights.
 
 Every `step()`:
 1. applies cancellations and admits queued requests (thread-safe hand-off from other threads);
