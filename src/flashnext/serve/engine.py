@@ -1,4 +1,8 @@
-"""Continuous-batching inference engine over a `StateCache`.
+"""Continuous-batching inference engine over a `StateCache`: the wiring of its parts.
+
+`serve.intake` checks and builds requests; `serve.scheduler` queues them, assigns slots, plans each step (chunked
+prefill) and preempts; `serve.model_step` runs the plan (eager, decode graph or speculative); `serve.sampler`
+samples and checks stops; `serve.speculative` verifies and proposes drafts; `serve.weight_update` copies weights.
 
 Every `step()`:
 1. applies cancellations and admits queued requests (thread-safe hand-off from other threads);
@@ -57,34 +61,22 @@ each runs on one version of the weights: `weight_version`, recorded per request)
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.errors import ConfigError, InputError
-from flashnext.model.multimodal import get_rope_index
-from flashnext.model.state import make_step
 from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
-from flashnext.serve.decode_graph import DecodeGraph, decode_only
-from flashnext.serve.loading import max_token_bytes
+from flashnext.serve.decode_graph import DecodeGraph
+from flashnext.serve.intake import Intake, check_speculative
+from flashnext.serve.model_step import ModelStep
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
-from flashnext.serve.sampling import (
-    FAILED,
-    MAX_SPECULATIVE_TOKENS,
-    FieldError,
-    SamplingParams,
-    check_text,
-    choice_seed,
-    random_seed,
-    sample,
-)
+from flashnext.serve.sampler import Sampler
+from flashnext.serve.sampling import FAILED, SamplingParams
+from flashnext.serve.scheduler import Scheduler
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
 from flashnext.serve.weight_update import copy_pieces
@@ -92,7 +84,6 @@ from flashnext.serve.weight_update import copy_pieces
 __all__ = ["Completion", "Engine", "EngineStats", "Request"]
 
 log = logging.getLogger("flashnext.serve")
-NO_MTP = "this model has no MTP draft head (mtp.* weights with mtp_num_hidden_layers in its config.json)"
 
 
 class Engine:
@@ -127,11 +118,7 @@ class Engine:
         decode_buckets: Sequence[int] | None = None,
         compile_backend: str = "inductor",
     ):
-        k = num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if k and getattr(model, "mtp", None) is None:
-            raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
+        k = check_speculative(num_speculative_tokens, model)
         self.model = prepare_for_inference(model)
         self.config = model.config
         self.tokenizer = tokenizer
@@ -141,26 +128,21 @@ class Engine:
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_id = eos if eos is not None else self.config.eos_id
-        per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
-        # A text prompt longer than this cannot fit in max_model_len tokens: refused before tokenizing.
-        self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # holding a slot, in admission order
-        self._suspects: list[Request] = []  # in a failed step, to recompute one at a time
-        self._lock = threading.Lock()
-        self._incoming: deque[Request] = deque()
-        self._aborts: set[str] = set()
+        self.scheduler = Scheduler(self.cache)
+        self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the scheduler's, shared
+        self.sampler = Sampler(tokenizer, self.eos_id, max_model_len)
         self._finished: list[Request] = []  # finished during the current step
-        self._ids = itertools.count()
         self.stats = EngineStats()
         self.admitting = True  # False: finish the running requests, start no queued one (a weight update waits)
         self.weight_version = 0  # bumped by whoever updates the weights; recorded on each admitted request
         self.num_speculative_tokens = k
         has_mtp = getattr(model, "mtp", None) is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
-        self.decode_graph = None
-        if decode_graph:  # decode-only steps as one compiled / captured graph per batch bucket
-            self.decode_graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend)
+        graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
+        self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
+        self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
+        self.max_prompt_bytes = self.intake.max_prompt_bytes  # a longer text prompt is refused before tokenizing
+        self.model_step = ModelStep(self.model, self.cache, self.device, self.speculator, self.decode_graph)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -186,114 +168,19 @@ class Engine:
         `length_field`: the client's name for `max_tokens`; when given, a prompt + `max_tokens` past
         `max_model_len` is refused naming it (OpenAI semantics) instead of ending early with "length".
         """
-        params = params or SamplingParams()
-        params.validate()
-        if params.n > self.cache.max_slots:
-            raise FieldError(f"n={params.n} exceeds max_slots={self.cache.max_slots} (the choices run at once)", "n")
-        ids = self.encode(prompt)
-        if not ids:
-            raise FieldError("prompt is empty", "prompt")
-        if len(ids) >= self.max_model_len:
-            msg = f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room"
-            raise FieldError(msg, "prompt")
-        if length_field is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise FieldError(
-                f"{length_field}={params.max_tokens} plus the prompt's {len(ids)} tokens is "
-                f"{len(ids) + params.max_tokens}, more than this model's context of {self.max_model_len} tokens "
-                f"(max_model_len); ask for at most {self.max_model_len - len(ids)}",
-                length_field,
-            )
-        vocab = self.config.vocab_size
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise FieldError(f"prompt token {bad} = {ids[bad]} is outside the vocabulary [0, {vocab})", "prompt")
-        if params.stop and self.tokenizer is None:
-            raise InputError("stop strings need a tokenizer")
-        spec_k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if spec_k and self.speculator is None:
-            raise FieldError(f"num_speculative_tokens={spec_k}: {NO_MTP}", "num_speculative_tokens")
-        if params.return_routed_experts:  # drafts' experts would need trimming on rejection; same tokens without them
-            spec_k = 0
-        mrope = None
-        if pixel_values is not None or image_grid_thw is not None:
-            mrope = self._image_positions(ids, pixel_values, image_grid_thw)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seed = params.seed if params.seed is not None else random_seed()
-        images = (pixel_values, image_grid_thw) if mrope is not None else None
-        choices = [
-            Request(
-                rid if i == 0 else f"{rid}/{i}",
-                ids,
-                params,
-                on_update=on_update,
-                index=i,
-                group=group or rid,
-                generator=torch.Generator(device=self.device).manual_seed(choice_seed(seed, i)),
-                mrope=mrope,
-                images=images,
-                spec_k=spec_k,
-            )  # fmt: skip
-            for i in range(params.n)
-        ]
-        if params.prompt_logprobs is not None:  # one table for all choices: they share the prompt
-            table, tops = [None] * len(ids), [[] for _ in ids]
-            for choice in choices:
-                choice.prompt_logprobs, choice.prompt_top_logprobs = table, tops
-        parent = choices[0]
-        parent.choices, parent.forks = choices, choices[1:]
-        with self._lock:
-            self._incoming.append(parent)
+        parent = self.intake.request(
+            prompt, params, request_id, on_update, pixel_values, image_grid_thw, group, length_field
+        )
+        self.scheduler.submit(parent)
         return parent
-
-    def _image_positions(self, ids: list[int], pixel_values, grid) -> tuple[torch.Tensor, int]:
-        """Check a request's images against the model and its placeholders; (MRoPE table [3, L], delta)."""
-        visual = getattr(self.model, "visual", None)
-        if visual is None:
-            raise InputError("this model is text-only (no vision tower); it does not accept images")
-        if pixel_values is None or grid is None:
-            raise InputError("images need both pixel_values and image_grid_thw")
-        grid = torch.as_tensor(grid, dtype=torch.long)
-        if grid.dim() != 2 or grid.shape[1] != 3:
-            raise InputError(f"image_grid_thw must be [n_images, 3], got {tuple(grid.shape)}")
-        if pixel_values.shape[0] != int(grid.prod(-1).sum()):
-            raise InputError(
-                f"pixel_values has {pixel_values.shape[0]} patches; image_grid_thw gives {int(grid.prod(-1).sum())}"
-            )
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        image_token_id = self.model.image_token_id
-        m = visual.config.spatial_merge_size
-        n_placeholders = int((ids_t == image_token_id).sum())
-        n_features = int(grid.prod(-1).sum()) // (m * m)
-        if n_placeholders != n_features:
-            raise InputError(
-                f"the prompt has {n_placeholders} image placeholders (id {image_token_id}) but the images give "
-                f"{n_features} features"
-            )
-        positions, deltas = get_rope_index(ids_t, [0, len(ids)], (ids_t == image_token_id).long(), grid, m)
-        return positions, int(deltas[0])
 
     def abort(self, request_id: str) -> None:
         """Cancel a request, all its choices (thread-safe); slots are freed at the start of the next step."""
-        with self._lock:
-            self._aborts.add(request_id)
+        self.scheduler.cancel(request_id)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids; a text prompt is checked (valid Unicode, not certainly too long) before tokenizing."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InputError("text prompts need a tokenizer; pass token ids")
-            size = check_text(prompt, "prompt")
-            if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-                raise FieldError(
-                    f"prompt is {size} bytes, more than max_model_len={self.max_model_len} tokens can hold (a "
-                    f"token covers at most {self.max_prompt_bytes // self.max_model_len} bytes); not tokenized",
-                    "prompt",
-                )
-            return list(self.tokenizer.encode(prompt))
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise FieldError("a prompt is a string or a sequence of token ids (ints)", "prompt") from None
+        return self.intake.encode(prompt)
 
     def load_weights(self, pieces) -> tuple[int, int]:
         """Copy new weights into the model in place: `(name, tensor[, start row])` pieces by state-dict name
@@ -302,19 +189,17 @@ class Engine:
         return copy_pieces(self.model, pieces)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            pending = bool(self._incoming)
-        return pending or bool(self.waiting) or bool(self.running)
+        return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run the model once, sample. Returns the requests (choices) that finished in this step."""
         self._take_incoming()
-        plan = self._schedule()
+        plan = self.scheduler.schedule(self.max_num_batched_tokens, self.admitting, self.weight_version)
         if plan:
             t0 = time.perf_counter()
             try:
-                out, routing, prompt = self._forward(plan)
+                out, routing, prompt = self.model_step(plan)
             except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
                 self._recover(plan, exc)
             else:
@@ -322,320 +207,84 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
-    def _forward(self, plan: list[tuple[Request, int]]):
-        """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
-        request of the step speculates, the `SpecForward` (verified rows, residual) `serve.speculative` needs; the
-        stream's routed experts [T, L, k] when a request of the plan asked for them (else None); and the prompt
-        positions whose log-probs were asked, with their logits (`serve.prompt_logprobs`; None when none). A
-        decode-only step without speculation or routing runs as the decode graph, when the engine has one."""
-        if self.decode_graph is not None and decode_only(plan) and self.decode_graph.ready_for(len(plan)):
-            logits = self.decode_graph.run(
-                [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
-                [req.num_cached for req, _ in plan],
-            )  # fmt: skip
-            return logits, None, None
-        ids, cu, slots, cached = [], [0], [], []
-        for req, n in plan:
-            chunk = req.pending_ids(n) + req.drafts
-            ids.extend(chunk)
-            cu.append(cu[-1] + len(chunk))
-            slots.append(req.slot)
-            cached.append(req.num_cached)
-        mrope = [req.mrope for req, _ in plan]
-        step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope)
-        scored = prompt_logprobs.prompt_rows(plan, cu)
-        extra = prompt_logprobs.stream_rows(scored)
-        with torch.inference_mode():
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            embeds = self._prompt_embeds(plan, ids_t, cu)
-            routing = any(req.params.return_routed_experts for req, _ in plan)
-            if self.speculator is not None and any(req.spec_k for req, _ in plan):
-                out, routed, prompt = self.speculator.forward(ids_t, step, embeds, plan, cu, routing, extra)
-                return out, routed, (scored, prompt) if scored else None
-            kw = {"return_routing": True} if routing else {}
-            if scored:  # the usual last-token rows, then the prompt positions to score
-                kw["rows"] = torch.tensor([c - 1 for c in cu[1:]] + extra, dtype=torch.long, device=self.device)
-            out = self.model.forward_step(ids_t, step, self.cache, inputs_embeds=embeds, **kw)
-            logits, routed = out if routing else (out, None)
-            if scored:
-                return logits[: len(plan)], routed, (scored, logits[len(plan) :])
-            return logits, routed, None
-
     def _advance(self, plan: list[tuple[Request, int]], out, t0: float, routing=None, prompt=None):
-        """After a successful forward: record asked prompt log-probs, count the fed tokens, fork n-choice prompts,
+        """After a successful forward: record asked prompt log-probs, count the fed tokens (`Scheduler.advance`),
         sample the due entries (a request with `max_tokens` 0 ends instead), verify drafts and propose new ones
-        (speculative steps). `routing`: the stream's routed experts [T, L, k] (requests that asked keep their rows;
-        they never carry drafts, see `add_request`); `prompt`: `_forward`'s prompt positions and their logits."""
+        (speculative steps). `routing`, `prompt`: `ModelStep`'s routed experts, prompt positions and logits."""
         if prompt is not None:
             for req, why in prompt_logprobs.record(*prompt):  # its own failure, as a non-finite sampled row
                 log.error("request %s failed: %s", req.request_id, why)
                 self._finish(req, "error", why)
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
-        rows, to_sample, to_verify, cells = [], [], [], []
-        prompt_fed = recomputed = offset = 0
-        for i, (req, n) in enumerate(plan):
-            if req.finished:  # failed on its prompt's log-probs just now (its slot is free; row i stays unread)
-                continue
-            if req.suspect:
-                recomputed += n
-            else:
-                prompt_fed += max(0, min(n, len(req.prompt_ids) - req.num_cached))
-            if req.params.return_routed_experts:
-                req.record_routing(routing[offset : offset + n])
-            offset += n + len(req.drafts)  # the stream carries each entry's drafts after its tokens
-            req.num_cached += n
-            if req.num_cached >= len(req.prompt_ids):
-                req.prompt_embeds = None  # prefilled: nothing of the vision tower stays
-            cells.append((req, i))
-            if req.num_cached == req.num_tokens:  # fed everything known: the next token is due
-                if req.suspect:  # recomputed its whole history alone: cleared
-                    req.suspect = False
-                    self._suspects.remove(req)
-                if req.drafts:
-                    to_verify.append((req, i, n))
-                    continue
-                if req.params.max_tokens == 0:  # the prompt was only to be scored; its choices end with it
-                    self._finish(req, "length")
-                    continue
-                row = i if spec is None else spec.first_row[i]
-                rows.append(row)
-                to_sample.append(req)
-                if req.forks:  # prompt prefilled: its other choices start from a copy of its state
-                    for child in self._fork(req):
-                        rows.append(row)
-                        to_sample.append(child)
-                        cells.append((child, i))
-        emitted = len(to_sample)
-        if to_sample:
-            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
-        for req, i, n in to_verify:
+        fed = self.scheduler.advance(plan, routing, None if spec is None else spec.first_row)
+        for req in fed.scored_only:
+            self._finish(req, "length")
+        emitted = len(fed.to_sample)
+        if fed.to_sample:
+            rows = fed.rows
+            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], fed.to_sample)
+        for req, i, n in fed.to_verify:
             emitted += self._verify(req, i, n, spec)
         if spec is not None:
-            self._propose(cells, spec)
-        self.stats.step(prompt_fed, time.perf_counter() - t0, emitted, recomputed)
+            self.speculator.propose_or_stop(fed.cells, spec)
+        self.stats.step(fed.prompt_fed, time.perf_counter() - t0, emitted, fed.recomputed)
 
     def _verify(self, req: Request, i: int, n: int, out: SpecForward) -> int:
-        """Accept entry i's drafts, roll its slot back past the first rejected one, record the emitted tokens;
-        returns how many were emitted."""
-        try:
-            verdict = self.speculator.verify(req, out, i)
-        except Exception as e:  # this request's problem alone, as a failing sampled row
-            log.exception("request %s: verifying its drafts failed", req.request_id)
-            self._finish(req, "error", f"verifying draft tokens failed: {type(e).__name__}: {e}")
-            return 0
+        """Accept entry i's drafts, roll its slot back past the first rejected one (`Speculator.settle`), record
+        the emitted tokens; returns how many were emitted."""
+        verdict, error = self.speculator.settle(req, i, n, out)
         if verdict is None:
-            self._finish(req, "error", "the model's logits for this request are not finite (NaN or inf)")
+            self._finish(req, "error", error)
             return 0
-        self.speculator.commit(req, i, n, verdict, out)
         self._emit(req, verdict.tokens, verdict.chosen, verdict.top, list(range(len(verdict.tokens))))
         return len(verdict.tokens)
 
-    def _propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
-        """New MTP cells and drafts for the step's speculating requests; a failure only turns their speculation
-        off (their tokens stay exact: drafts are only ever proposals)."""
-        try:
-            self.speculator.propose(cells, out)
-        except Exception:
-            log.exception("the MTP draft head failed; speculation is off for the requests of this step")
-            for req, _ in cells:
-                req.spec_k, req.drafts = 0, []
-
-    def _fork(self, parent: Request) -> list[Request]:
-        """Give the parent's pending children its prefilled state (their reserved slots) and start them."""
-        children, parent.forks = parent.forks, []
-        for child in children:
-            self.cache.copy_slot(parent.slot, child.slot)
-            child.num_cached, child.mtp_cells = parent.num_cached, parent.mtp_cells
-            child.routed = list(parent.routed)  # the shared prompt's experts
-            self.running.append(child)
-        return children
-
     def _recover(self, plan: list[tuple[Request, int]], exc: Exception) -> None:
-        """A forward over `plan` raised: end its request if it ran alone, else reset and suspect them all."""
+        """A forward over `plan` raised: end its request if it ran alone, else preempt them all (they become
+        suspects, `Scheduler.preempt`)."""
         self.stats.failed_steps += 1
         what = f"{type(exc).__name__}: {exc}"
-        if len(plan) == 1:
-            req = plan[0][0]
-            log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
-            self._finish(req, "error", f"the model step failed on this request: {what}")
+        if len(plan) > 1:
+            self.scheduler.preempt(plan, what)
             return
-        ids = ", ".join(req.request_id for req, _ in plan)
-        log.warning("model step of %d requests failed (%s); recomputing them one at a time: %s", len(plan), what, ids)
-        for req, _ in plan:
-            self.cache.reset_slot(req.slot)  # partly written by the failed step
-            req.num_cached = req.mtp_cells = 0
-            req.prompt_embeds, req.drafts = None, []
-            req.routed = []  # recomputed from the start
-            if not req.suspect:
-                req.suspect = True
-                self._suspects.append(req)
-
-    def _prompt_embeds(self, plan, ids: torch.Tensor, cu: list[int]) -> torch.Tensor | None:
-        """The step's input embeddings when an entry is a chunk of an image prompt, else None (token embeddings).
-
-        An image request's first chunk runs the vision tower once over its images and keeps the whole prompt's
-        embeddings (features scattered into the placeholders) until its prefill ends. A chunk that runs past the
-        prompt (a recompute) keeps the token embeddings of its generated tokens.
-        """
-        image_entries = [
-            i for i, (req, _) in enumerate(plan) if req.mrope is not None and req.num_cached < len(req.prompt_ids)
-        ]
-        if not image_entries:
-            return None
-        for i in image_entries:
-            req = plan[i][0]
-            if req.prompt_embeds is None:
-                pixel_values, grid = req.images
-                prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-                req.prompt_embeds = self.model.embed(prompt, pixel_values.to(self.device), grid.to(self.device))
-        embeds = self.model.embed(ids, None, None)
-        for i in image_entries:
-            req, n = plan[i]
-            k = min(n, len(req.prompt_ids) - req.num_cached)
-            embeds[cu[i] : cu[i] + k] = req.prompt_embeds[req.num_cached : req.num_cached + k]
-        return embeds
-
-    def _unfinished(self) -> Iterator[Request]:
-        """Every queued or running request, with children still waiting for their parent's prefill."""
-        for req in itertools.chain(self.waiting, self.running):
-            yield req
-            yield from req.forks
+        req = plan[0][0]
+        log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
+        self._finish(req, "error", f"the model step failed on this request: {what}")
 
     def _take_incoming(self) -> None:
-        with self._lock:
-            self.waiting.extend(self._incoming)
-            self._incoming.clear()
-            aborts, self._aborts = self._aborts, set()
+        aborts = self.scheduler.take_incoming()
         if aborts:
-            for req in [r for r in self._unfinished() if r.group in aborts or r.request_id in aborts]:
+            for req in [r for r in self.scheduler.unfinished() if r.group in aborts or r.request_id in aborts]:
                 self._finish(req, "abort", "cancelled")
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, tokens to feed) pairs: decodes, then prefill chunks, then admissions, within the budget.
-
-        While suspects of a failed step remain, a step runs the first of them alone (its recompute, chunked).
-        """
-        budget = self.max_num_batched_tokens
-        if self._suspects:
-            req = self._suspects[0]
-            return [(req, self._chunk(req, budget))]
-        plan = []
-        decoding = [r for r in self.running if r.num_cached >= len(r.prompt_ids)]
-        prefilling = [r for r in self.running if r.num_cached < len(r.prompt_ids)]
-        for req in decoding + prefilling:  # decodes first: one token each (more after rejected drafts)
-            if budget == 0:
-                break
-            n = self._chunk(req, budget)
-            plan.append((req, n))
-            budget -= n + len(req.drafts)
-        # A request with n choices is admitted when its n slots are free (its children reserve theirs now).
-        while self.admitting and budget > 0 and self.waiting and self.cache.free_slots > len(self.waiting[0].forks):
-            req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
-            for child in req.forks:
-                child.slot = self.cache.allocate()
-            for choice in req.choices:
-                choice.weight_version = self.weight_version
-            self.running.append(req)
-            n = min(budget, len(req.prompt_ids))
-            plan.append((req, n))
-            budget -= n
-        return plan
-
-    @staticmethod
-    def _chunk(req: Request, budget: int) -> int:
-        """Known tokens of `req` to feed in a step with `budget` tokens left: all not yet cached (a decode's one
-        token, a replay after rejected drafts, a prompt's rest) or a chunk of them. Its drafts ride along only
-        when the entry reaches its last known token, trimmed to the budget (else they are dropped)."""
-        known = req.num_tokens - req.num_cached
-        n = min(budget, known)
-        req.drafts = req.drafts[: budget - n] if n == known else []
-        return n
-
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        want = any(r.params.logprobs is not None for r in reqs)
-        errors: dict[int, str] = {}
-        tokens, logprobs = sample(
-            logits, [r.params for r in reqs], [r.generator for r in reqs], with_logprobs=want, errors=errors
-        )
-        chosen = logprobs.gather(1, tokens.clamp_min(0)[:, None]).squeeze(1).tolist() if want else None
-        tokens_host = tokens.tolist()
-        top_n = max((r.params.logprobs or 0) for r in reqs)
-        top = torch.topk(logprobs, top_n, dim=-1) if top_n else None
+        """Sample row i of `logits` for `reqs[i]` and record it; a row that cannot be sampled ends its request."""
+        tokens, chosen, top, errors = self.sampler.sample(logits, reqs)
         for i, req in enumerate(reqs):
-            tok = tokens_host[i]
-            if tok == FAILED:
-                msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
-                log.error("request %s failed: %s", req.request_id, msg)
-                self._finish(req, "error", msg)
+            if tokens[i] != FAILED:
+                self._emit(req, [tokens[i]], [chosen[i]] if chosen is not None else None, top, [i])
                 continue
-            self._emit(req, [tok], [chosen[i]] if want else None, top, [i])
+            msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
+            log.error("request %s failed: %s", req.request_id, msg)
+            self._finish(req, "error", msg)
 
     def _emit(self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]) -> None:
-        """Record `tokens` in order (log-probs `chosen[j]`, top-n row `rows[j]` of `top`) until one stops the
-        request; then finish or notify it. A failure processing them ends this request alone."""
-        now = time.perf_counter()
-        for j, tok in enumerate(tokens):
-            try:
-                reason = self._record(req, tok, chosen[j] if chosen is not None else None, top, rows[j], now)
-            except Exception as e:  # e.g. the tokenizer failing on this request's text: its problem alone
-                log.exception("request %s failed after sampling", req.request_id)
-                self._finish(req, "error", f"processing the sampled token failed: {type(e).__name__}: {e}")
-                return
-            if reason is not None:
-                self._finish(req, reason)
-                return
-        self._notify(req)
-
-    def _record(self, req: Request, tok: int, chosen: float | None, top, i: int, now: float) -> str | None:
-        """Append a sampled token (and its log-probs) to `req`; its stop reason or None."""
-        req.output_ids.append(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.params.logprobs is not None:
-            req.logprobs.append(chosen)
-            if req.params.logprobs:
-                n = req.params.logprobs
-                req.top_logprobs.append(list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist(), strict=True)))
-        return self._stop_reason(req, tok)
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        stop_id = tok in p.stop_token_ids or (tok == self.eos_id and not p.ignore_eos)
-        if self.tokenizer is not None:
-            ids = req.output_ids[:-1] if stop_id else req.output_ids
-            req.text = self.tokenizer.decode(ids)
-            for s in p.stop:
-                at = req.text.find(s)
-                if at >= 0:
-                    req.text = req.text[:at]
-                    return "stop"
-        if stop_id:
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        """Record `tokens` (`Sampler.emit`); then finish or notify the request."""
+        reason, error = self.sampler.emit(req, tokens, chosen, top, rows)
+        if reason is None:
+            self._notify(req)
+        else:
+            self._finish(req, reason, error)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End `req` (idempotent): free its slot, count it, tell its client; pending children share its end."""
         if req.finished:
             return
-        req.finish_reason = reason
-        req.error = error
-        req.finish_time = time.perf_counter()
+        req.finish_reason, req.error, req.finish_time = reason, error, time.perf_counter()
         req.images = req.prompt_embeds = None
         req.drafts = []
-        if req.suspect:
-            req.suspect = False
-            self._suspects.remove(req)
-        if req.slot is not None:
-            slot, req.slot = req.slot, None
-            self.cache.release(slot)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self.scheduler.release(req)
         forks, req.forks = req.forks, []
         self.stats.finish(req)
         self._finished.append(req)
@@ -651,8 +300,7 @@ class Engine:
         except Exception as e:  # its client is gone or broken: cancel the request, keep serving the others
             log.warning("update callback of %s failed (%s: %s); cancelling it", req.request_id, type(e).__name__, e)
             if not req.finished:
-                with self._lock:
-                    self._aborts.add(req.group)
+                self.scheduler.cancel(req.group)
 
     def fail_all(self, reason: str, message: str) -> list[Request]:
         """End every queued, running and incoming request with `reason` ("error" or "abort") and `message`.
@@ -660,10 +308,8 @@ class Engine:
         The server's last resort (an exception outside the model step, or shutdown); safe to call when the
         engine's state is inconsistent: a request that cannot be finished cleanly is still marked and notified.
         """
-        with self._lock:
-            self.waiting.extend(self._incoming)
-            self._incoming.clear()
-        for req in list(self._unfinished()):
+        self.scheduler.take_incoming(aborts=False)
+        for req in list(self.scheduler.unfinished()):
             try:
                 self._finish(req, reason, message)
             except Exception:
@@ -671,9 +317,7 @@ class Engine:
                 req.finish_reason, req.error, req.slot = reason, message, None
                 self._finished.append(req)
                 self._notify(req)
-        self.running.clear()
-        self.waiting.clear()
-        self._suspects.clear()
+        self.scheduler.clear()
         done, self._finished = self._finished, []
         return done
 

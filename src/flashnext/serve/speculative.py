@@ -34,6 +34,7 @@ request, while the request wants more drafts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,8 @@ from flashnext.serve.cache import Snapshot, StateCache
 from flashnext.serve.request import Request
 from flashnext.serve.sampling import mode_logprobs, target_probs
 from flashnext.serve.stats import EngineStats
+
+log = logging.getLogger("flashnext.serve")
 
 
 @dataclass
@@ -161,6 +164,19 @@ class Speculator:
         req.num_verify_steps += 1
         self.stats.speculation(d, verdict.accepted, 0 if verdict.accepted == d else n + verdict.accepted)
 
+    def settle(self, req: Request, i: int, n: int, out: SpecForward) -> tuple[Verdict | None, str | None]:
+        """Verify entry i's drafts and commit the verdict (`verify`, `commit`): (verdict, None), or (None, why the
+        request fails) when verifying raised or its rows are not finite (its problem alone)."""
+        try:
+            verdict = self.verify(req, out, i)
+        except Exception as e:  # this request's problem alone, as a failing sampled row
+            log.exception("request %s: verifying its drafts failed", req.request_id)
+            return None, f"verifying draft tokens failed: {type(e).__name__}: {e}"
+        if verdict is None:
+            return None, "the model's logits for this request are not finite (NaN or inf)"
+        self.commit(req, i, n, verdict, out)
+        return verdict, None
+
     @staticmethod
     def _accept_sampled(rows: torch.Tensor, maxes: torch.Tensor, req: Request) -> tuple[list[int], int]:
         """Rejection sampling of point-mass drafts: (emitted tokens, drafts accepted)."""
@@ -185,6 +201,16 @@ class Speculator:
         return max(0, min(req.spec_k, remaining - 1))
 
     # ---- the proposal -----------------------------------------------------------------------------------
+    def propose_or_stop(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
+        """`propose`; a failure only turns speculation off for the requests of `cells` (their tokens stay exact:
+        drafts are only ever proposals)."""
+        try:
+            self.propose(cells, out)
+        except Exception:
+            log.exception("the MTP draft head failed; speculation is off for the requests of this step")
+            for req, _ in cells:
+                req.spec_k, req.drafts = 0, []
+
     @torch.inference_mode()
     def propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
         """Feed the head the new cells of every speculating request in `cells` ((request, its entry in the
