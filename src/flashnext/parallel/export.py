@@ -91,6 +91,72 @@ def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | 
 
 
 @torch.no_grad()
+class _Index:
+    """The index being built while `export_pretrained` writes its files: each disk key's file, the total bytes and
+    the float dtype of the parameters (for `config.json`); the methods return the tensors of one file that this
+    rank writes."""
+
+    def __init__(self, cfg: ModelConfig, main: bool):
+        self.cfg, self.main = cfg, main
+        self.style = layout.COMPOSITE if cfg.composite else layout.TEXT
+        self.parts = cfg.text.split_ngram_parts
+        self.weight_map: dict[str, str] = {}
+        self.dtype, self.total = torch.float32, 0
+
+    def table_shard(self, fname: str, table: OwnerRoutedEmbedding, name: str, j: int) -> dict[str, torch.Tensor]:
+        """Shard j of an owner-routed table: written by the rank that owns its rows."""
+        a, b = layout.ngram_shard_rows(table.num_embeddings, self.parts)[j]
+        disk_key = layout.to_disk_name(name.removesuffix(".weight"), self.style) + f".shard_{j}.weight"
+        self.weight_map[disk_key] = fname
+        self.total += (b - a) * table.embedding_dim * table.weight.element_size()
+        shard = _table_shard(table, a, b)
+        return {} if shard is None else {disk_key: shard.cpu()}
+
+    def params(self, fname: str, params: dict[str, torch.Tensor], members: list[str]) -> dict[str, torch.Tensor]:
+        """The parameters `members` under their disk keys (gathered on every rank, kept by rank 0)."""
+        skip_head, out = ties_embeddings(self.cfg), {}
+        for name in members:
+            if skip_head and name == HEAD:
+                continue
+            full = _full(params[name])  # collective for DTensors: every rank gathers, rank 0 keeps
+            self.dtype = full.dtype if full.is_floating_point() else self.dtype
+            self.total += full.numel() * full.element_size()
+            slots = layout.slots_for(name, tuple(full.shape), style=self.style, split_ngram_parts=self.parts)
+            for slot in slots:
+                self.weight_map[slot.disk_key] = fname
+                if self.main:
+                    out[slot.disk_key] = full[slot.index].contiguous().cpu()
+            del full
+        return out
+
+    def extras(self, fname: str, model: nn.Module, tables: dict[str, OwnerRoutedEmbedding]) -> dict[str, torch.Tensor]:
+        """What the last file holds besides parameters: derived buffers, the model's extra tensors and the scale of
+        a frozen FP8 table (every rank holds it whole)."""
+        buffers = [(k, b) for k, b in model.named_buffers() if layout.is_derived_buffer(k)]
+        extras = [(layout.to_disk_name(k, self.style), b) for k, b in buffers]
+        extras += list(getattr(model, "extra_tensors", {}).items())
+        extras += [
+            (layout.to_disk_name(name.removesuffix(".weight") + ".weight_scale", self.style), t.weight_scale)
+            for name, t in tables.items()
+            if t.frozen and t.weight_scale is not None
+        ]
+        out = {}
+        for key, t in extras:
+            self.weight_map[key] = fname
+            self.total += t.numel() * t.element_size()
+            if self.main:
+                out[key] = t.detach().contiguous().cpu()
+        return out
+
+    def write(self, directory: Path) -> list[Path]:
+        """The index file and `config.json` (rank 0)."""
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.dumps(config_dict(self.cfg, self.dtype), indent=2, sort_keys=True)
+        (directory / "config.json").write_text(config + "\n")
+        return [directory / INDEX_FILE, directory / "config.json"]
+
+
 def export_pretrained(
     model: nn.Module, directory: str | Path, *, config: ModelConfig | None = None, overwrite: bool = False
 ) -> list[Path]:
@@ -112,8 +178,6 @@ def export_pretrained(
         CheckpointError: on every rank, when `directory` is not empty and `overwrite` is False.
     """
     cfg = config or model_config_of(model)
-    style = layout.COMPOSITE if cfg.composite else layout.TEXT
-    parts = cfg.text.split_ngram_parts
     final = Path(directory)
     main = _rank() == 0
     check_target(final, overwrite)  # every rank: all refuse, or none
@@ -122,61 +186,24 @@ def export_pretrained(
     directory = begin_staging(final) if main else staging_dir(final)
     if dist.is_initialized():
         dist.barrier()
+    index = _Index(cfg, main)
     tables = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, OwnerRoutedEmbedding)}
     params = dict(model.named_parameters())
-    skip_head = ties_embeddings(cfg)
-    groups = _file_groups(model, tables, parts)
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map: dict[str, str] = {}
+    groups = _file_groups(model, tables, index.parts)
     written: list[Path] = []
-    dtype, total = torch.float32, 0
-    for fname, (kind, members) in zip(names, groups, strict=True):
-        out: dict[str, torch.Tensor] = {}
+    for i, (kind, members) in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         if kind == "table":
-            name, j = members
-            table = tables[name]
-            a, b = layout.ngram_shard_rows(table.num_embeddings, parts)[j]
-            disk_key = layout.to_disk_name(name.removesuffix(".weight"), style) + f".shard_{j}.weight"
-            weight_map[disk_key] = fname
-            total += (b - a) * table.embedding_dim * table.weight.element_size()
-            shard = _table_shard(table, a, b)
-            if shard is not None:
-                out[disk_key] = shard.cpu()
+            out = index.table_shard(fname, tables[members[0]], members[0], members[1])
         else:
-            for name in members:
-                if skip_head and name == HEAD:
-                    continue
-                full = _full(params[name])  # collective for DTensors: every rank gathers, rank 0 keeps
-                dtype = full.dtype if full.is_floating_point() else dtype
-                total += full.numel() * full.element_size()
-                for slot in layout.slots_for(name, tuple(full.shape), style=style, split_ngram_parts=parts):
-                    weight_map[slot.disk_key] = fname
-                    if main:
-                        out[slot.disk_key] = full[slot.index].contiguous().cpu()
-                del full
+            out = index.params(fname, params, members)
             if kind == "rest":
-                extras = [
-                    (layout.to_disk_name(k, style), b) for k, b in model.named_buffers() if layout.is_derived_buffer(k)
-                ]
-                extras += [(k, t) for k, t in getattr(model, "extra_tensors", {}).items()]
-                extras += [  # the scale of a frozen FP8 table (every rank holds it whole)
-                    (layout.to_disk_name(name.removesuffix(".weight") + ".weight_scale", style), t.weight_scale)
-                    for name, t in tables.items()
-                    if t.frozen and t.weight_scale is not None
-                ]
-                for key, t in extras:
-                    weight_map[key] = fname
-                    total += t.numel() * t.element_size()
-                    if main:
-                        out[key] = t.detach().contiguous().cpu()
+                out |= index.extras(fname, model, tables)
         if out:
             write_safetensors(out, directory / fname)
             written.append(directory / fname)
     if main:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (directory / "config.json").write_text(json.dumps(config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
-        written += [directory / INDEX_FILE, directory / "config.json"]
+        written += index.write(directory)
     if dist.is_initialized():
         dist.barrier()
     if main:
