@@ -23,6 +23,9 @@ the sequence of cells:
   at the next position. Rows a draft step writes past the committed length are rewritten before any query can see
   them (see `model.state`), so the head needs no rollback.
 
+The causal LM registers the head after `lm_head`, so the trunk's `init_weights` draws do not depend on whether the
+config declares a head.
+
 Legend: T cells (tokens), D hidden, hc streams.
 """
 
