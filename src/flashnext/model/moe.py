@@ -1,5 +1,11 @@
 """Sparse MoE: softmax top-k router, stacked expert weights with sort-based grouped dispatch, gated shared expert.
 
+Serving's static decode step (`model.state.make_decode_step`) cannot read the grouped slab's capacity
+(`int(counts.max())`) on the host, so beyond the gather path it runs every expert on every token (`Experts._dense`;
+`_reduced` in fp32 inside a compiled CPU graph, see `Experts.forward`'s `static`): at decode sizes (16 tokens x
+top-4 of 16 experts, ~99% of experts hit) `_dense` streams the same weights as the grouped path, with up to E/k
+times its FLOPs, and measured the same time (2.2 vs 2.1 ms per layer at 1 thread).
+
 Legend: T tokens, D hidden, E experts, k experts per token, I expert width, A = T*k assignments.
 """
 

@@ -10,6 +10,8 @@ x = layers[0](x)            QSA attention (own indexer), MoE, two hyper-connecti
 (R_next, y) = (x, hyper_connection_mixer(x))                 mixer without block_inject; no final norm
 draft_logits = lm_head(y)                                    predicts x_{i+2}; the model's shared lm_head
 ```
+(A checkpoint that stores `mtp.shared_head.head.weight` gives the head an LM head of its own: kept in the model's
+`extra_tensors` and used instead of the shared one, `mtp_head_weight`.)
 Cell i sits at RoPE position i and attends to the cells <= i of its sequence, so the head is a causal layer over
 the sequence of cells:
 - training runs it over the whole packed stream (`mtp_inputs`: the last cell of each sequence has no next token,
@@ -20,6 +22,9 @@ the sequence of cells:
   position: the token just sampled), and draft step j > 0 feeds the previous step's `R_next` with its draft token
   at the next position. Rows a draft step writes past the committed length are rewritten before any query can see
   them (see `model.state`), so the head needs no rollback.
+
+The causal LM registers the head after `lm_head`, so the trunk's `init_weights` draws do not depend on whether the
+config declares a head.
 
 Legend: T cells (tokens), D hidden, hc streams.
 """

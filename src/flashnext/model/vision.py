@@ -6,12 +6,16 @@ patch), C vision width, H heads, Dh head dim, m spatial_merge_size, n images, si
 Patch order. An image with grid `(t, h, w)` (in patches) contributes `t * h * w` rows of `pixel_values`, frame by
 frame, each frame in *merge-block order*: the `m x m` patches that the merger folds into one text token are
 consecutive (block row, block col, row in block, col in block). Position embeddings and rotary positions follow
-the same order; the processor (`flashnext.model.image`) emits patches that way.
+the same order; the processor (`flashnext.vision_inputs`) emits patches that way.
 
 Names and shapes of parameters equal the reference's in-memory `model.visual.*`, so loading is a name map. The
 patch embedding keeps the reference's Conv3d weight shape `[C, in_channels, temporal, patch, patch]`; because the
 stride equals the kernel, the convolution is a linear map of each flattened patch, computed as `F.linear` with
 the weight viewed `[C, P]` (a free view).
+
+Attention runs within each *frame* (the reference's cu_seqlens are per frame: `t` segments of `h * w` patches per
+image): one batched SDPA when all frames have the same size, else SDPA frame by frame (exact; a varlen kernel is
+the fast path still to add for many differently sized images). There is no deepstack in this reference.
 """
 
 from __future__ import annotations

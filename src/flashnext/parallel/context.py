@@ -29,6 +29,12 @@ Exchanges (`DistributedShard`), one per mixer that reads across the edge:
 - `gather(x)`: QSA keys and values of every rank (all-gather; backward reduce-scatter) and `gather_blocks`: the
   complete-block indexer keys (all-gather of each rank's keys padded to L / c rows, no gradient).
 
+Why the mixers ask a shard (`cp=` passed down the forward, like serving state) rather than `parallelize` installing
+module hooks or wrappers: the exchanged quantities (the convs' input rows, the GDN (A, U) pair, K/V after RoPE) are
+intermediate values inside the mixers, so hooks would have to split each mixer into hookable pieces or re-run part
+of it, and the per-batch layout would still have to reach them. The halos come in the form the ops already take as
+serving state (`initial_window`, `initial_context`, `initial_state`), so the model math reads the same as serving's.
+
 Groups: `context_group(rank, world, cp)` splits the world into `world / cp` groups of `cp` consecutive ranks (a
 group trains one micro-batch; FSDP shards over the whole world, so its reduce-scatter sums every rank's gradient).
 
