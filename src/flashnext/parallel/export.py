@@ -90,7 +90,6 @@ def _table_shard(table: OwnerRoutedEmbedding, a: int, b: int) -> torch.Tensor | 
     return out
 
 
-@torch.no_grad()
 class _Index:
     """The index being built while `export_pretrained` writes its files: each disk key's file, the total bytes and
     the float dtype of the parameters (for `config.json`); the methods return the tensors of one file that this
@@ -157,6 +156,7 @@ class _Index:
         return [directory / INDEX_FILE, directory / "config.json"]
 
 
+@torch.no_grad()
 def export_pretrained(
     model: nn.Module, directory: str | Path, *, config: ModelConfig | None = None, overwrite: bool = False
 ) -> list[Path]:
