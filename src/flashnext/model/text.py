@@ -116,7 +116,12 @@ class FlashNextTextModel(nn.Module):
 
 
 class FlashNextForCausalLM(nn.Module):
-    """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names."""
+    """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names.
+
+    The optional parts, the same attributes on `FlashNextForConditionalGeneration` (test them, never probe with
+    `getattr`): `mtp`, the MTP draft head (None when the config declares no MTP layer), and `visual`, the vision
+    tower (always None here).
+    """
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -125,6 +130,7 @@ class FlashNextForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Registered last: `init_weights` draws module by module, so the trunk's values do not depend on it.
         self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
+        self.visual: nn.Module | None = None  # text-only: no vision tower
         self.extra_tensors: dict[str, torch.Tensor] = {}
 
     def forward(
