@@ -17,67 +17,68 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.config_rules import (  # noqa: F401  (re-exported: `flashnext.config` names them)
-    BOOL, INDEXED, INT, LINEAR, MTP_FIELDS, MTP_SPELLINGS, NONNEG_NUMBER, OBJECT, POS_INT, POS_NUMBER, ROPE_FIELDS,
-    TEXT_FIELDS, TOKEN_ID, Rule, check_fields, list_of, one_of, validate_text,
+    BOOL, DROPOUT, EOS_IDS, GATE_TYPE, HC_COUNT, INDEXED, INT, LAYER_TYPES, LINEAR, MTP_FIELDS, MTP_SPELLINGS,
+    NONNEG_NUMBER, OBJECT, OBJECT_OR_NULL, PLE_LAYER_IDS, POS_INT, POS_INT_OR_NULL, POS_NUMBER, ROPE_FIELDS, SILU_ONLY,
+    TOKEN_ID, TOKEN_ID_OR_NULL, Rule, check_fields, field_rules, list_of, one_of, ruled, validate_text,
 )  # fmt: skip
 from flashnext.errors import ConfigError
 
 
 @dataclass
 class TextConfig:
-    """Decoder geometry of Qwen3.8-Flash-Next (`model_type` `qwen4_exp_text`)."""
+    """Decoder geometry of Qwen3.8-Flash-Next (`model_type` `qwen4_exp_text`); each field with its rule."""
 
-    vocab_size: int = 248320
-    hidden_size: int = 2048
-    num_hidden_layers: int = 40
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 2
-    head_dim: int = 256
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    rope_parameters: dict | None = None
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    moe_intermediate_size: int = 512
-    shared_expert_intermediate_size: int = 512
-    num_experts_per_tok: int = 10
-    num_experts: int = 512
-    norm_topk_prob: bool = True
-    output_router_logits: bool = False
-    router_aux_loss_coef: float = 0.001
-    layer_types: list[str] | None = None
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    hc_count: int = 4
-    hc_lowrank: int = 320
-    ple_layer_ids: list[int] | None = None
-    ple_embed_dim: int | None = None
-    ple_conv_kernel_size: int = 4
-    ngram_size: int = 3
-    heads_per_ngram: int = 8
-    ngram_vocab_size_base: int = 20_000_000
-    make_ngram_vocab_size_divisible_by: int = 128
-    seed: int = 1234
-    split_ngram_parts: int = 512
-    indexer_n_heads: int | None = None
-    indexer_kv_heads: int | None = None
-    indexer_head_dim: int | None = None
-    indexer_budget: int | None = None
-    indexer_compress_ratio: int | None = None
-    output_gate_type: str | None = None
-    full_attention_interval: int = 4
-    mtp_num_hidden_layers: int | None = None
-    num_nextn_predict_layers: int | None = None
-    mtp: dict[str, Any] | None = None
+    vocab_size: int = ruled(248320, POS_INT)
+    hidden_size: int = ruled(2048, POS_INT)
+    num_hidden_layers: int = ruled(40, POS_INT)
+    num_attention_heads: int = ruled(16, POS_INT)
+    num_key_value_heads: int = ruled(2, POS_INT)
+    head_dim: int = ruled(256, POS_INT)
+    hidden_act: str = ruled("silu", SILU_ONLY)
+    max_position_embeddings: int = ruled(32768, POS_INT)
+    initializer_range: float = ruled(0.02, NONNEG_NUMBER)
+    rms_norm_eps: float = ruled(1e-6, POS_NUMBER)
+    tie_word_embeddings: bool = ruled(False, BOOL)
+    rope_parameters: dict | None = ruled(None, OBJECT_OR_NULL)
+    attention_bias: bool = ruled(False, BOOL)
+    attention_dropout: float = ruled(0.0, DROPOUT)
+    linear_conv_kernel_dim: int = ruled(4, POS_INT)
+    linear_key_head_dim: int = ruled(128, POS_INT)
+    linear_value_head_dim: int = ruled(128, POS_INT)
+    linear_num_key_heads: int = ruled(16, POS_INT)
+    linear_num_value_heads: int = ruled(32, POS_INT)
+    moe_intermediate_size: int = ruled(512, POS_INT)
+    shared_expert_intermediate_size: int = ruled(512, POS_INT)
+    num_experts_per_tok: int = ruled(10, POS_INT)
+    num_experts: int = ruled(512, POS_INT)
+    norm_topk_prob: bool = ruled(True, BOOL)
+    output_router_logits: bool = ruled(False, BOOL)
+    router_aux_loss_coef: float = ruled(0.001, NONNEG_NUMBER)
+    layer_types: list[str] | None = ruled(None, LAYER_TYPES)
+    pad_token_id: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    bos_token_id: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    eos_token_id: int | list[int] | None = ruled(None, EOS_IDS)
+    hc_count: int = ruled(4, HC_COUNT)
+    hc_lowrank: int = ruled(320, POS_INT)
+    ple_layer_ids: list[int] | None = ruled(None, PLE_LAYER_IDS)
+    ple_embed_dim: int | None = ruled(None, POS_INT_OR_NULL)
+    ple_conv_kernel_size: int = ruled(4, POS_INT)
+    ngram_size: int = ruled(3, POS_INT)
+    heads_per_ngram: int = ruled(8, POS_INT)
+    ngram_vocab_size_base: int = ruled(20_000_000, POS_INT)
+    make_ngram_vocab_size_divisible_by: int = ruled(128, POS_INT)
+    seed: int = ruled(1234, INT)
+    split_ngram_parts: int = ruled(512, POS_INT)
+    indexer_n_heads: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_kv_heads: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_head_dim: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_budget: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_compress_ratio: int | None = ruled(None, POS_INT_OR_NULL)
+    output_gate_type: str | None = ruled(None, GATE_TYPE)
+    full_attention_interval: int = ruled(4, POS_INT)
+    mtp_num_hidden_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    num_nextn_predict_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    mtp: dict[str, Any] | None = ruled(None, OBJECT_OR_NULL)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -183,6 +184,9 @@ class TextConfig:
         out["model_type"] = "qwen4_exp_text"
         return out
 
+
+
+TEXT_FIELDS: dict[str, Rule] = field_rules(TextConfig)  # each field's rule, from its definition
 
 @dataclass
 class VisionConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flashnext.errors import ConfigError
@@ -54,51 +54,33 @@ OBJECT = Rule("an object", lambda v: isinstance(v, dict))
 POS_NUMBER = Rule("a positive finite number", lambda v: _is_number(v) and v > 0)
 NONNEG_NUMBER = Rule("a finite number >= 0", lambda v: _is_number(v) and v >= 0)
 
-TEXT_FIELDS: dict[str, Rule] = {
-    **dict.fromkeys(
-        (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
-            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "hc_lowrank",
-            "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
-            "make_ngram_vocab_size_divisible_by", "split_ngram_parts", "full_attention_interval",
-        ),
-        POS_INT,
-    ),
-    **dict.fromkeys(
-        (
-            "ple_embed_dim", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
-            "indexer_compress_ratio",
-        ),
-        POS_INT.or_null(),
-    ),
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "norm_topk_prob", "output_router_logits"), BOOL),
-    "hc_count": Rule("an int > 1", lambda v: _is_int(v) and v > 1),
-    "seed": INT,
-    "initializer_range": NONNEG_NUMBER,
-    "rms_norm_eps": POS_NUMBER,
-    "router_aux_loss_coef": NONNEG_NUMBER,
-    "attention_dropout": Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
-    # The MLPs, experts and convs are SiLU-gated in our kernels; another activation would compute silently wrong.
-    "hidden_act": one_of("silu"),
-    "output_gate_type": one_of("sigmoid", "silu").or_null(),
-    "rope_parameters": OBJECT.or_null(),  # its keys: ROPE_FIELDS
-    "layer_types": list_of(
-        one_of(LINEAR, INDEXED, "full_attention"), f"{LINEAR!r}, {INDEXED!r} or 'full_attention'"
-    ).or_null(),
-    "ple_layer_ids": list_of(INT, "ints").or_null(),  # the range [1, num_hidden_layers] is checked in validate()
-    "pad_token_id": TOKEN_ID.or_null(),
-    "bos_token_id": TOKEN_ID.or_null(),
-    "eos_token_id": Rule(
-        "a non-negative int, a list of them, or null",
-        lambda v: v is None or TOKEN_ID.ok(v) or list_of(TOKEN_ID, "").ok(v),
-    ),
-    # Multi-token prediction (the `mtp.*` draft head): three spellings of its layer count are in use (see
-    # `TextConfig.mtp_layers`); absent (null) means no MTP head.
-    **dict.fromkeys(("mtp_num_hidden_layers", "num_nextn_predict_layers"), TOKEN_ID.or_null()),
-    "mtp": OBJECT.or_null(),  # its keys: MTP_FIELDS
-}  # fmt: skip
+# Named rules of `TextConfig`'s fields (each field states its rule: `ruled`; `TEXT_FIELDS` collects them).
+POS_INT_OR_NULL = POS_INT.or_null()
+TOKEN_ID_OR_NULL = TOKEN_ID.or_null()  # also the MTP layer counts (`TextConfig.mtp_layers`); null: no MTP head
+OBJECT_OR_NULL = OBJECT.or_null()  # `rope_parameters` (its keys: ROPE_FIELDS), `mtp` (its keys: MTP_FIELDS)
+HC_COUNT = Rule("an int > 1", lambda v: _is_int(v) and v > 1)
+DROPOUT = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+# The MLPs, experts and convs are SiLU-gated in our kernels; another activation would compute silently wrong.
+SILU_ONLY = one_of("silu")
+GATE_TYPE = one_of("sigmoid", "silu").or_null()
+LAYER_TYPES = list_of(
+    one_of(LINEAR, INDEXED, "full_attention"), f"{LINEAR!r}, {INDEXED!r} or 'full_attention'"
+).or_null()
+PLE_LAYER_IDS = list_of(INT, "ints").or_null()  # the range [1, num_hidden_layers] is checked in validate_text
+EOS_IDS = Rule(
+    "a non-negative int, a list of them, or null",
+    lambda v: v is None or TOKEN_ID.ok(v) or list_of(TOKEN_ID, "").ok(v),
+)
+
+
+def ruled(default: Any, rule: Rule) -> Any:
+    """A dataclass field whose value must pass `rule`: the field and its rule stated once (`field_rules`)."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def field_rules(cls) -> dict[str, Rule]:
+    """Field name -> `Rule` of a dataclass' `ruled` fields, in field order."""
+    return {f.name: f.metadata["rule"] for f in fields(cls) if "rule" in f.metadata}
 
 # Keys of a nested `mtp` object we read (others are kept). Its layers are attention layers (QSA) of the model's own
 # geometry and rotary, so `layer_types` and `rope_theta` may only restate that.
