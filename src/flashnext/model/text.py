@@ -179,13 +179,9 @@ class FlashNextForCausalLM(nn.Module):
                 "with cp, pass flat [T] input_ids, no labels and no return_mtp (targets are formed on the whole stream)"
             )
         inputs = flatten_inputs(
-            input_ids,
-            attention_mask,
-            cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            labels=labels,
+            input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels,
             logprob_targets=logprob_targets,
-        )
+        )  # fmt: skip
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
         if return_mtp and self.mtp is None:
