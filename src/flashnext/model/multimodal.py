@@ -118,8 +118,8 @@ class FlashNextMultimodalModel(nn.Module):
 class FlashNextForConditionalGeneration(nn.Module):
     """Qwen3.8-Flash-Next with its vision tower. Called like `FlashNextForCausalLM`, plus image inputs.
 
-    Same optional parts as `FlashNextForCausalLM` (see there): `visual` (None with `language_model_only`) and
-    `mtp` (always None: the composite model carries no MTP head).
+    Same interface as `FlashNextForCausalLM` (see there): `decoder`, and the optional parts `visual` (None with
+    `language_model_only`) and `mtp` (always None: the composite model carries no MTP head).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -133,6 +133,11 @@ class FlashNextForConditionalGeneration(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.mtp: MultiTokenPredictor | None = None
         self.extra_tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def decoder(self) -> FlashNextTextModel:
+        """The text decoder, as `FlashNextForCausalLM.decoder`."""
+        return self.model.language_model
 
     @property
     def visual(self) -> VisionModel | None:

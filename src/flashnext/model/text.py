@@ -118,9 +118,9 @@ class FlashNextTextModel(nn.Module):
 class FlashNextForCausalLM(nn.Module):
     """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names.
 
-    The optional parts, the same attributes on `FlashNextForConditionalGeneration` (test them, never probe with
-    `getattr`): `mtp`, the MTP draft head (None when the config declares no MTP layer), and `visual`, the vision
-    tower (always None here).
+    The interface shared with `FlashNextForConditionalGeneration` (use these, never probe with `getattr`): the
+    optional parts `mtp`, the MTP draft head (None when the config declares no MTP layer), and `visual`, the
+    vision tower (always None here); `decoder`, the `FlashNextTextModel`.
     """
 
     def __init__(self, cfg: TextConfig):
@@ -132,6 +132,11 @@ class FlashNextForCausalLM(nn.Module):
         self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
         self.visual: nn.Module | None = None  # text-only: no vision tower
         self.extra_tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def decoder(self) -> FlashNextTextModel:
+        """The text decoder (embedding, layers, final mixer): `model` here, `model.language_model` in the composite."""
+        return self.model
 
     def forward(
         self,
