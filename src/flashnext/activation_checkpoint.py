@@ -14,13 +14,13 @@ from torch.utils.checkpoint import checkpoint
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
     """Checkpoint every decoder layer of `model` (`FlashNextForCausalLM` or the composite
-    `FlashNextForConditionalGeneration`, whose decoder is `model.language_model`). Returns the number of layers
+    `FlashNextForConditionalGeneration`: the layers of `model.decoder`). Returns the number of layers
     wrapped.
 
     Idempotent: a layer already wrapped is left as is.
     """
     wrapped = 0
-    decoder = getattr(model.model, "language_model", model.model)
+    decoder = model.decoder
     for layer in decoder.layers:
         if getattr(layer, "_flashnext_checkpointed", False):
             continue

@@ -109,7 +109,7 @@ def from_pretrained(
     model = _on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
-    if getattr(model, "mtp", None) is not None and not _stores_mtp(path):
+    if model.mtp is not None and not _stores_mtp(path):
         # The config declares an MTP head but the checkpoint has none (converters that drop `mtp.*` keep the
         # config): load the trunk without a draft head rather than refuse the checkpoint.
         log.warning("%s: config.json declares an MTP layer but no mtp.* weights are stored; loaded without it", path)

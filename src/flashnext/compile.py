@@ -120,7 +120,7 @@ def compile_model(
         final_mixer: also compile the final hyper-connection stream mixer before the LM head.
     """
     kwargs = dict(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=None, recompile_limit=RECOMPILE_LIMIT)
-    decoder = getattr(model.model, "language_model", model.model)  # the composite model's text decoder
+    decoder = model.decoder  # the text decoder, of either model
     modules = list(decoder.layers)
     if final_mixer:
         modules.append(decoder.hyper_connection_mixer)

@@ -3,200 +3,82 @@
 Field names follow the official `config.json` so a config round-trips through `to_dict()` unchanged.
 Every field's type and range is checked from one table per config (`TEXT_FIELDS`, `ROPE_FIELDS`,
 `VISION_FIELDS`, `COMPOSITE_FIELDS`); `validate()` then checks the cross-field invariants (the reference's and
-the ones our kernels rely on). Every failure is a `ConfigError` naming the field and value, and `load_config`
-prefixes the file: `.../config.json: num_key_value_heads must be a positive int, got 0`.
+the ones our kernels rely on; the rules and these checks live in `flashnext.config_rules`). Every failure is a
+`ConfigError` naming the field and value, and `load_config` prefixes the file:
+`.../config.json: num_key_value_heads must be a positive int, got 0`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashnext.config_rules import (  # noqa: F401  (re-exported: `flashnext.config` names them)
+    BOOL, DROPOUT, EOS_IDS, GATE_TYPE, HC_COUNT, INDEXED, INT, LAYER_TYPES, LINEAR, MTP_FIELDS, MTP_SPELLINGS,
+    NONNEG_NUMBER, OBJECT, OBJECT_OR_NULL, PLE_LAYER_IDS, POS_INT, POS_INT_OR_NULL, POS_NUMBER, ROPE_FIELDS, SILU_ONLY,
+    TOKEN_ID, TOKEN_ID_OR_NULL, Rule, check_fields, field_rules, list_of, one_of, ruled, validate_text,
+)  # fmt: skip
 from flashnext.errors import ConfigError
-
-LINEAR = "linear_attention"
-INDEXED = "indexed_attention"
-
-
-# ---- field rules ------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON `true` is a bool, never a count
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN/Infinity
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one config field must hold: `ok(value)`, and `what` names it in the error ("a positive int")."""
-
-    what: str
-    ok: Callable[[Any], bool]
-
-    def or_null(self) -> Rule:
-        return Rule(f"{self.what} or null", lambda v: v is None or self.ok(v))
-
-
-def one_of(*choices: str) -> Rule:
-    return Rule(f"one of {list(choices)}", lambda v: isinstance(v, str) and v in choices)
-
-
-def list_of(rule: Rule, what: str, length: int | None = None) -> Rule:
-    size = "" if length is None else f" of length {length}"
-    return Rule(
-        f"a list{size} of {what}",
-        lambda v: isinstance(v, list) and (length is None or len(v) == length) and all(rule.ok(x) for x in v),
-    )
-
-
-INT = Rule("an int", _is_int)
-POS_INT = Rule("a positive int", lambda v: _is_int(v) and v > 0)
-TOKEN_ID = Rule("a non-negative int", lambda v: _is_int(v) and v >= 0)
-BOOL = Rule("true or false", lambda v: isinstance(v, bool))
-OBJECT = Rule("an object", lambda v: isinstance(v, dict))
-POS_NUMBER = Rule("a positive finite number", lambda v: _is_number(v) and v > 0)
-NONNEG_NUMBER = Rule("a finite number >= 0", lambda v: _is_number(v) and v >= 0)
-
-TEXT_FIELDS: dict[str, Rule] = {
-    **dict.fromkeys(
-        (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
-            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "hc_lowrank",
-            "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
-            "make_ngram_vocab_size_divisible_by", "split_ngram_parts", "full_attention_interval",
-        ),
-        POS_INT,
-    ),
-    **dict.fromkeys(
-        (
-            "ple_embed_dim", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
-            "indexer_compress_ratio",
-        ),
-        POS_INT.or_null(),
-    ),
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "norm_topk_prob", "output_router_logits"), BOOL),
-    "hc_count": Rule("an int > 1", lambda v: _is_int(v) and v > 1),
-    "seed": INT,
-    "initializer_range": NONNEG_NUMBER,
-    "rms_norm_eps": POS_NUMBER,
-    "router_aux_loss_coef": NONNEG_NUMBER,
-    "attention_dropout": Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
-    # The MLPs, experts and convs are SiLU-gated in our kernels; another activation would compute silently wrong.
-    "hidden_act": one_of("silu"),
-    "output_gate_type": one_of("sigmoid", "silu").or_null(),
-    "rope_parameters": OBJECT.or_null(),  # its keys: ROPE_FIELDS
-    "layer_types": list_of(
-        one_of(LINEAR, INDEXED, "full_attention"), f"{LINEAR!r}, {INDEXED!r} or 'full_attention'"
-    ).or_null(),
-    "ple_layer_ids": list_of(INT, "ints").or_null(),  # the range [1, num_hidden_layers] is checked in validate()
-    "pad_token_id": TOKEN_ID.or_null(),
-    "bos_token_id": TOKEN_ID.or_null(),
-    "eos_token_id": Rule(
-        "a non-negative int, a list of them, or null",
-        lambda v: v is None or TOKEN_ID.ok(v) or list_of(TOKEN_ID, "").ok(v),
-    ),
-    # Multi-token prediction (the `mtp.*` draft head): three spellings of its layer count are in use (see
-    # `TextConfig.mtp_layers`); absent (null) means no MTP head.
-    **dict.fromkeys(("mtp_num_hidden_layers", "num_nextn_predict_layers"), TOKEN_ID.or_null()),
-    "mtp": OBJECT.or_null(),  # its keys: MTP_FIELDS
-}  # fmt: skip
-
-# Keys of a nested `mtp` object we read (others are kept). Its layers are attention layers (QSA) of the model's own
-# geometry and rotary, so `layer_types` and `rope_theta` may only restate that.
-MTP_FIELDS: dict[str, Rule] = {
-    "num_hidden_layers": TOKEN_ID,
-    "layer_types": list_of(one_of(INDEXED, "full_attention"), f"'full_attention' or {INDEXED!r}"),
-    "rope_theta": POS_NUMBER,
-    "hybrid": BOOL,
-}
-MTP_SPELLINGS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp.num_hidden_layers")
-
-# Keys of `rope_parameters` we read (others, e.g. `mrope_interleaved`, are kept but do not change the math).
-ROPE_FIELDS: dict[str, Rule] = {
-    "rope_type": one_of("default"),  # the only rotary the reference's text model computes without scaling
-    "rope_theta": POS_NUMBER,
-    "partial_rotary_factor": Rule("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
-    "mrope_section": list_of(TOKEN_ID, "non-negative ints", length=3),
-}
-
-
-def check_fields(values: dict[str, Any], rules: dict[str, Rule], where: str = "") -> None:
-    """Raise `ConfigError` for the first of `values` (name -> value) that breaks its rule; unruled names pass.
-
-    Args:
-        values: field values, e.g. a config.json object or a dataclass' fields.
-        rules: field name -> `Rule`.
-        where: prefix of the field name in the message (`"rope_parameters."`).
-    """
-    for name, value in values.items():
-        rule = rules.get(name)
-        if rule is not None and not rule.ok(value):
-            raise ConfigError(f"{where}{name} must be {rule.what}, got {value!r}")
 
 
 @dataclass
 class TextConfig:
-    """Decoder geometry of Qwen3.8-Flash-Next (`model_type` `qwen4_exp_text`)."""
+    """Decoder geometry of Qwen3.8-Flash-Next (`model_type` `qwen4_exp_text`); each field with its rule."""
 
-    vocab_size: int = 248320
-    hidden_size: int = 2048
-    num_hidden_layers: int = 40
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 2
-    head_dim: int = 256
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    rope_parameters: dict | None = None
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    moe_intermediate_size: int = 512
-    shared_expert_intermediate_size: int = 512
-    num_experts_per_tok: int = 10
-    num_experts: int = 512
-    norm_topk_prob: bool = True
-    output_router_logits: bool = False
-    router_aux_loss_coef: float = 0.001
-    layer_types: list[str] | None = None
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    hc_count: int = 4
-    hc_lowrank: int = 320
-    ple_layer_ids: list[int] | None = None
-    ple_embed_dim: int | None = None
-    ple_conv_kernel_size: int = 4
-    ngram_size: int = 3
-    heads_per_ngram: int = 8
-    ngram_vocab_size_base: int = 20_000_000
-    make_ngram_vocab_size_divisible_by: int = 128
-    seed: int = 1234
-    split_ngram_parts: int = 512
-    indexer_n_heads: int | None = None
-    indexer_kv_heads: int | None = None
-    indexer_head_dim: int | None = None
-    indexer_budget: int | None = None
-    indexer_compress_ratio: int | None = None
-    output_gate_type: str | None = None
-    full_attention_interval: int = 4
-    mtp_num_hidden_layers: int | None = None
-    num_nextn_predict_layers: int | None = None
-    mtp: dict[str, Any] | None = None
+    vocab_size: int = ruled(248320, POS_INT)
+    hidden_size: int = ruled(2048, POS_INT)
+    num_hidden_layers: int = ruled(40, POS_INT)
+    num_attention_heads: int = ruled(16, POS_INT)
+    num_key_value_heads: int = ruled(2, POS_INT)
+    head_dim: int = ruled(256, POS_INT)
+    hidden_act: str = ruled("silu", SILU_ONLY)
+    max_position_embeddings: int = ruled(32768, POS_INT)
+    initializer_range: float = ruled(0.02, NONNEG_NUMBER)
+    rms_norm_eps: float = ruled(1e-6, POS_NUMBER)
+    tie_word_embeddings: bool = ruled(False, BOOL)
+    rope_parameters: dict | None = ruled(None, OBJECT_OR_NULL)
+    attention_bias: bool = ruled(False, BOOL)
+    attention_dropout: float = ruled(0.0, DROPOUT)
+    linear_conv_kernel_dim: int = ruled(4, POS_INT)
+    linear_key_head_dim: int = ruled(128, POS_INT)
+    linear_value_head_dim: int = ruled(128, POS_INT)
+    linear_num_key_heads: int = ruled(16, POS_INT)
+    linear_num_value_heads: int = ruled(32, POS_INT)
+    moe_intermediate_size: int = ruled(512, POS_INT)
+    shared_expert_intermediate_size: int = ruled(512, POS_INT)
+    num_experts_per_tok: int = ruled(10, POS_INT)
+    num_experts: int = ruled(512, POS_INT)
+    norm_topk_prob: bool = ruled(True, BOOL)
+    output_router_logits: bool = ruled(False, BOOL)
+    router_aux_loss_coef: float = ruled(0.001, NONNEG_NUMBER)
+    layer_types: list[str] | None = ruled(None, LAYER_TYPES)
+    pad_token_id: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    bos_token_id: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    eos_token_id: int | list[int] | None = ruled(None, EOS_IDS)
+    hc_count: int = ruled(4, HC_COUNT)
+    hc_lowrank: int = ruled(320, POS_INT)
+    ple_layer_ids: list[int] | None = ruled(None, PLE_LAYER_IDS)
+    ple_embed_dim: int | None = ruled(None, POS_INT_OR_NULL)
+    ple_conv_kernel_size: int = ruled(4, POS_INT)
+    ngram_size: int = ruled(3, POS_INT)
+    heads_per_ngram: int = ruled(8, POS_INT)
+    ngram_vocab_size_base: int = ruled(20_000_000, POS_INT)
+    make_ngram_vocab_size_divisible_by: int = ruled(128, POS_INT)
+    seed: int = ruled(1234, INT)
+    split_ngram_parts: int = ruled(512, POS_INT)
+    indexer_n_heads: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_kv_heads: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_head_dim: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_budget: int | None = ruled(None, POS_INT_OR_NULL)
+    indexer_compress_ratio: int | None = ruled(None, POS_INT_OR_NULL)
+    output_gate_type: str | None = ruled(None, GATE_TYPE)
+    full_attention_interval: int = ruled(4, POS_INT)
+    mtp_num_hidden_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    num_nextn_predict_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
+    mtp: dict[str, Any] | None = ruled(None, OBJECT_OR_NULL)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -266,103 +148,9 @@ class TextConfig:
             zip(MTP_SPELLINGS, (self.mtp_num_hidden_layers, self.num_nextn_predict_layers, nested), strict=True)
         )
 
-    # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
-            )
-        if self.gate_act not in ("sigmoid", "silu"):
-            raise ConfigError(f"output_gate_type={self.gate_act!r}: expected 'sigmoid' or 'silu'")
-        if self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ConfigError(
-                f"rotary dim {self.rotary_dim} (head_dim={self.head_dim} x rope_parameters.partial_rotary_factor="
-                f"{self.partial_rotary_factor}) must be a positive even number"
-            )
-        if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                f"got num_experts_per_tok={self.num_experts_per_tok}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError(
-                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
-                f"linear_num_key_heads={self.linear_num_key_heads}"
-            )
-        self._validate_qsa()
-        self._validate_ple()
-        self._validate_mtp()
-
-    def _validate_qsa(self) -> None:
-        names = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-        values = {n: getattr(self, n) for n in names}
-        if all(v is None for v in values.values()):
-            if INDEXED in self.layer_types:
-                raise ConfigError(
-                    "layer_types has indexed_attention layers but the QSA indexer fields are unset: "
-                    f"{[n for n in names]}"
-                )
-            return
-        missing = [n for n, v in values.items() if v is None]
-        if missing:
-            raise ConfigError(f"QSA config is missing required fields {missing} (QSA fields are all-or-none)")
-        if self.indexer_kv_heads != 1:
-            raise ConfigError(f"indexer_kv_heads must be 1, got indexer_kv_heads={self.indexer_kv_heads}")
-        if self.indexer_budget % self.indexer_compress_ratio:
-            raise ConfigError(
-                f"indexer_budget={self.indexer_budget} is not divisible by "
-                f"indexer_compress_ratio={self.indexer_compress_ratio}"
-            )
-        if self.rotary_dim > self.indexer_head_dim:
-            raise ConfigError(
-                f"rotary dim {self.rotary_dim} (head_dim={self.head_dim} x partial_rotary_factor="
-                f"{self.partial_rotary_factor}) exceeds indexer_head_dim={self.indexer_head_dim}"
-            )
-
-    def _validate_ple(self) -> None:
-        if not self.ple_layer_ids:
-            return
-        heads = self.ngram_heads
-        if heads <= 0 or self.ple_embed_dim <= 0 or self.ple_embed_dim % heads:
-            raise ConfigError(
-                f"ple_embed_dim={self.ple_embed_dim} must be positive and divisible by the number of n-gram heads "
-                f"(ngram_size-1)*heads_per_ngram={heads}"
-            )
-        out_of_range = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers]
-        if out_of_range:
-            raise ConfigError(f"ple_layer_ids are one-indexed in [1, {self.num_hidden_layers}], got {out_of_range}")
-        not_linear = [i for i in self.ple_layer_ids if self.layer_types[i - 1] != LINEAR]
-        if not_linear:
-            raise ConfigError(f"ple_layer_ids {not_linear} are not linear_attention layers (PLE needs one)")
-        if self.eos_id is None:
-            raise ConfigError(f"eos_token_id must be set when PLE is enabled, got eos_token_id={self.eos_token_id!r}")
-
-    def _validate_mtp(self) -> None:
-        if self.mtp is not None:
-            check_fields(self.mtp, MTP_FIELDS, "mtp.")
-        given = {name: n for name, n in self._mtp_counts().items() if n is not None}
-        if len(set(given.values())) > 1:
-            raise ConfigError(f"the MTP layer count is given differently by {given}: they must agree")
-        n = self.mtp_layers
-        if n == 0:
-            return
-        name = next(iter(given))
-        if n > 1:  # every official checkpoint has one; a draft step reuses it (several would need a schedule)
-            raise ConfigError(f"{name}={n}: only one MTP layer is supported")
-        if not self.qsa_enabled:
-            raise ConfigError(
-                f"{name}={n}: the MTP layer is a QSA attention layer, but the QSA indexer fields are unset"
-            )
-        theta = (self.mtp or {}).get("rope_theta", self.rope_theta)
-        if theta != self.rope_theta:
-            raise ConfigError(f"mtp.rope_theta={theta} differs from the model's rope_theta={self.rope_theta}")
-        if self.extra.get("mtp_use_dedicated_embeddings"):  # kept in `extra`; we only build the shared embedding
-            raise ConfigError("mtp_use_dedicated_embeddings=true: only the shared embed_tokens is supported")
+        """The cross-field invariants (`config_rules.validate_text`); raises `ConfigError`."""
+        validate_text(self)
 
     # ---- (de)serialisation --------------------------------------------------------------------------
     @classmethod
@@ -396,6 +184,9 @@ class TextConfig:
         out["model_type"] = "qwen4_exp_text"
         return out
 
+
+
+TEXT_FIELDS: dict[str, Rule] = field_rules(TextConfig)  # each field's rule, from its definition
 
 @dataclass
 class VisionConfig:

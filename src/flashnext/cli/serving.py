@@ -82,7 +82,7 @@ def _build_engine(args: argparse.Namespace):
         device=device,
     )  # fmt: skip
     k = args.speculative_tokens
-    if k and getattr(model, "mtp", None) is None:
+    if k and model.mtp is None:
         raise ConfigError(
             f"--speculative-tokens {k}: {args.model or 'the model'} has no MTP draft head (no mtp.* weights, or no "
             "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"

@@ -22,6 +22,7 @@ from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segme
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.fused import linear
+from flashnext.model.mtp import MultiTokenPredictor
 from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
     CausalLMOutput,
@@ -106,17 +107,20 @@ class FlashNextMultimodalModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         vision = cfg.vision_config
-        if vision is not None:
-            if vision.out_hidden_size != cfg.text.hidden_size:
-                raise ConfigError(
-                    f"vision_config.out_hidden_size={vision.out_hidden_size} != text hidden_size={cfg.text.hidden_size}"
-                )
-            self.visual = VisionModel(vision)
+        if vision is not None and vision.out_hidden_size != cfg.text.hidden_size:
+            raise ConfigError(
+                f"vision_config.out_hidden_size={vision.out_hidden_size} != text hidden_size={cfg.text.hidden_size}"
+            )
+        self.visual = VisionModel(vision) if vision is not None else None
         self.language_model = FlashNextTextModel(cfg.text)
 
 
 class FlashNextForConditionalGeneration(nn.Module):
-    """Qwen3.8-Flash-Next with its vision tower. Called like `FlashNextForCausalLM`, plus image inputs."""
+    """Qwen3.8-Flash-Next with its vision tower. Called like `FlashNextForCausalLM`, plus image inputs.
+
+    Same interface as `FlashNextForCausalLM` (see there): `decoder`, and the optional parts `visual` (None with
+    `language_model_only`) and `mtp` (always None: the composite model carries no MTP head).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,11 +131,18 @@ class FlashNextForConditionalGeneration(nn.Module):
         self.image_token_id = cfg.image_token_id
         self.model = FlashNextMultimodalModel(cfg)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.mtp: MultiTokenPredictor | None = None
         self.extra_tensors: dict[str, torch.Tensor] = {}
 
     @property
+    def decoder(self) -> FlashNextTextModel:
+        """The text decoder, as `FlashNextForCausalLM.decoder`."""
+        return self.model.language_model
+
+    @property
     def visual(self) -> VisionModel | None:
-        return getattr(self.model, "visual", None)
+        """The vision tower; None with `language_model_only`."""
+        return self.model.visual
 
     def forward(
         self,

@@ -203,28 +203,10 @@ def make_step(
 
     `mrope`: optional per-entry None or `(table int64 [3, L], delta)` MRoPE positions (see the module doc).
     """
-    T = cu_seqlens[-1]
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
     cached_t = torch.tensor(cached, dtype=torch.long)
-    if T == len(lengths) and all(n == 1 for n in lengths):  # decode: entry i is token i (make_segments' result)
-        seq_idx = torch.arange(T, device=device)
-        seg = Segments(
-            cu_seqlens=cu.to(device),
-            position_ids=cached_t.to(device),
-            max_seqlen=1,
-            seq_idx=seq_idx,
-            seq_start=seq_idx,
-            lengths=lengths,
-            cu_host=list(cu_seqlens),
-            pos_in_seq=torch.zeros(T, dtype=torch.long, device=device),
-        )
-    else:
-        seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-        pos_in_seq = torch.arange(T) - torch.tensor(cu_seqlens[:-1], dtype=torch.long)[seq_idx]
-        positions = (cached_t[seq_idx] + pos_in_seq).to(device)
-        seg = make_segments(cu, T, positions, device=device)
-        seq_idx = seg.seq_idx
+    seg = _step_segments(cu_seqlens, lengths, cached_t, device)
+    seq_idx = seg.seq_idx
     live_host = [s != scratch_slot and n > 0 for s, n in zip(slots, lengths, strict=True)]
     slots_t = torch.tensor(slots, dtype=torch.long)
     live_idx = torch.tensor([i for i, live in enumerate(live_host) if live], dtype=torch.long)
@@ -252,6 +234,28 @@ def make_step(
         live_slots=slots_t[live_idx].to(device),
         tok_slot=slots_t.to(device)[seq_idx],
     )
+
+
+def _step_segments(cu_seqlens: list[int], lengths: list[int], cached: torch.Tensor, device) -> Segments:
+    """The step's `Segments`: each entry's new tokens at positions `cached[i] + 0, 1, ...`."""
+    T = cu_seqlens[-1]
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    if T == len(lengths) and all(n == 1 for n in lengths):  # decode: entry i is token i (make_segments' result)
+        seq_idx = torch.arange(T, device=device)
+        return Segments(
+            cu_seqlens=cu.to(device),
+            position_ids=cached.to(device),
+            max_seqlen=1,
+            seq_idx=seq_idx,
+            seq_start=seq_idx,
+            lengths=lengths,
+            cu_host=list(cu_seqlens),
+            pos_in_seq=torch.zeros(T, dtype=torch.long, device=device),
+        )
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    pos_in_seq = torch.arange(T) - torch.tensor(cu_seqlens[:-1], dtype=torch.long)[seq_idx]
+    positions = (cached[seq_idx] + pos_in_seq).to(device)
+    return make_segments(cu, T, positions, device=device)
 
 
 def make_decode_step(slots: torch.Tensor, cached: torch.Tensor, scratch_slot: int) -> StepBatch:

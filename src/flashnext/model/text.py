@@ -116,7 +116,12 @@ class FlashNextTextModel(nn.Module):
 
 
 class FlashNextForCausalLM(nn.Module):
-    """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names."""
+    """Qwen3.8-Flash-Next text model. State-dict names equal the reference's in-memory names.
+
+    The interface shared with `FlashNextForConditionalGeneration` (use these, never probe with `getattr`): the
+    optional parts `mtp`, the MTP draft head (None when the config declares no MTP layer), and `visual`, the
+    vision tower (always None here); `decoder`, the `FlashNextTextModel`.
+    """
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -125,7 +130,13 @@ class FlashNextForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Registered last: `init_weights` draws module by module, so the trunk's values do not depend on it.
         self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
+        self.visual: nn.Module | None = None  # text-only: no vision tower
         self.extra_tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def decoder(self) -> FlashNextTextModel:
+        """The text decoder (embedding, layers, final mixer): `model` here, `model.language_model` in the composite."""
+        return self.model
 
     def forward(
         self,
@@ -173,13 +184,9 @@ class FlashNextForCausalLM(nn.Module):
                 "with cp, pass flat [T] input_ids, no labels and no return_mtp (targets are formed on the whole stream)"
             )
         inputs = flatten_inputs(
-            input_ids,
-            attention_mask,
-            cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            labels=labels,
+            input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels,
             logprob_targets=logprob_targets,
-        )
+        )  # fmt: skip
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
         if return_mtp and self.mtp is None:

@@ -136,7 +136,7 @@ class Engine:
         self.admitting = True  # False: finish the running requests, start no queued one (a weight update waits)
         self.weight_version = 0  # bumped by whoever updates the weights; recorded on each admitted request
         self.num_speculative_tokens = k
-        has_mtp = getattr(model, "mtp", None) is not None
+        has_mtp = model.mtp is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
         graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
         self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket

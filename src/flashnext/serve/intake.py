@@ -84,7 +84,7 @@ def check_speculative(k, model) -> int:
     model without an MTP head. Raises `ConfigError`."""
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-    if k and getattr(model, "mtp", None) is None:
+    if k and model.mtp is None:
         raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
     return k
 
@@ -135,7 +135,7 @@ def check_prompt(
 
 def image_positions(model, ids: list[int], pixel_values, grid) -> tuple[torch.Tensor, int]:
     """Check a request's images against the model and its placeholders; (MRoPE table [3, L], delta)."""
-    visual = getattr(model, "visual", None)
+    visual = model.visual
     if visual is None:
         raise InputError("this model is text-only (no vision tower); it does not accept images")
     if pixel_values is None or grid is None:

@@ -440,7 +440,7 @@ def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], st
 
     model = engine.model
     vision = getattr(getattr(model, "model_config", None), "vision_config", None)
-    if getattr(model, "visual", None) is None or vision is None:
+    if model.visual is None or vision is None:
         raise InputError("this model is text-only (no vision tower); it does not accept image_url content")
     if "processor" not in state:
         state["processor"] = image_processor(vision, state.get("model_dir"))

@@ -38,7 +38,7 @@ def load_data(cfg: RunConfig, tokenizer, model: torch.nn.Module, cost_fn: CostFn
         truncate=cfg.data.truncate,
     )
     evaluator = Evaluator(held_out, cfg.data.token_budget, cost_fn, cfg.data.truncate) if held_out else None
-    if cfg.train.mtp_loss_weight > 0 and getattr(model, "mtp", None) is None:
+    if cfg.train.mtp_loss_weight > 0 and model.mtp is None:
         raise ConfigError(
             f"train.mtp_loss_weight={cfg.train.mtp_loss_weight} but the model has no MTP head (its config "
             "declares no MTP layer: set mtp_num_hidden_layers = 1, e.g. via model.overrides)"
