@@ -17,9 +17,35 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.config_rules import (  # noqa: F401  (re-exported: `flashnext.config` names them)
-    BOOL, DROPOUT, EOS_IDS, GATE_TYPE, HC_COUNT, INDEXED, INT, LAYER_TYPES, LINEAR, MTP_FIELDS, MTP_SPELLINGS,
-    NONNEG_NUMBER, OBJECT, OBJECT_OR_NULL, PLE_LAYER_IDS, POS_INT, POS_INT_OR_NULL, POS_NUMBER, ROPE_FIELDS, SILU_ONLY,
-    TOKEN_ID, TOKEN_ID_OR_NULL, Rule, check_fields, field_rules, list_of, one_of, ruled, validate_text,
+    BOOL,
+    DROPOUT,
+    EOS_IDS,
+    GATE_TYPE,
+    HC_COUNT,
+    INDEXED,
+    INT,
+    LAYER_TYPES,
+    LINEAR,
+    MTP_FIELDS,
+    MTP_SPELLINGS,
+    NONNEG_NUMBER,
+    OBJECT,
+    OBJECT_OR_NULL,
+    PLE_LAYER_IDS,
+    POS_INT,
+    POS_INT_OR_NULL,
+    POS_NUMBER,
+    ROPE_FIELDS,
+    SILU_ONLY,
+    TOKEN_ID,
+    TOKEN_ID_OR_NULL,
+    Rule,
+    check_fields,
+    field_rules,
+    list_of,
+    one_of,
+    ruled,
+    validate_text,
 )  # fmt: skip
 from flashnext.errors import ConfigError
 
