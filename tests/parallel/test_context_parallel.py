@@ -31,7 +31,7 @@ from flashnext.train.trainer import Trainer
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
-_RESULTS: dict[int, list[dict]] = {}
+_RESULTS: dict[int, list[dict] | RuntimeError] = {}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,18 @@ def root(tmp_path_factory) -> Path:
 
 
 def results(world: int, root: Path) -> list[dict]:
+    """Every rank's results of one world size, run once per module. A failed run is remembered too: the later tests
+    report its cause instead of running again into the directories the first attempt left half-written."""
     if world not in _RESULTS:
-        _RESULTS[world] = run_spawned(cc.run_rank, world, str(root), timeout_s=600)
-    return _RESULTS[world]
+        try:
+            _RESULTS[world] = run_spawned(cc.run_rank, world, str(root), timeout_s=600)
+        except RuntimeError as e:
+            _RESULTS[world] = e
+            raise
+    got = _RESULTS[world]
+    if isinstance(got, RuntimeError):
+        raise RuntimeError(f"the spawned world-{world} run failed (reported in full by an earlier test): {str(got)[:500]}")
+    return got
 
 
 def one_thread(fn, *args):
