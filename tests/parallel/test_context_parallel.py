@@ -50,7 +50,8 @@ def results(world: int, root: Path) -> list[dict]:
             raise
     got = _RESULTS[world]
     if isinstance(got, RuntimeError):
-        raise RuntimeError(f"the spawned world-{world} run failed (reported in full by an earlier test): {str(got)[:500]}")
+        first = str(got)[:500]
+        raise RuntimeError(f"the spawned world-{world} run failed (reported in full by an earlier test): {first}")
     return got
 
 
