@@ -34,29 +34,16 @@ failure inside the loop saves the last completed step first. Both say where; --r
 """
 
 
+_ALIASES = {"--inference-url": ("inference.url", "a URL"), "--env": ("env.name", "an environment name")}
+
+
 def parse_args(argv: list[str]):
-    """`flashnext rl` arguments -> (RL run config, print_config)."""
-    from flashnext.cli.train import flag_value
+    """`flashnext rl` arguments -> (RL run config, print_config): `train`'s parser with the RL config class and
+    the `--inference-url` / `--env` shorthands."""
     from flashnext.cli.train import parse_args as parse_train_args
     from flashnext.rl.config import RLRunConfig
 
-    rest = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if arg == "--inference-url" or arg.startswith("--inference-url="):
-            url, i = flag_value(argv, i, "a URL")
-            rest.append(f"--inference.url={json.dumps(url)}")
-        elif arg == "--env" or arg.startswith("--env="):
-            name, i = flag_value(argv, i, "an environment name")
-            rest.append(f"--env.name={json.dumps(name)}")
-        else:
-            rest.append(arg)
-        i += 1
-    return parse_train_args(rest, cls=RLRunConfig)
+    return parse_train_args(argv, cls=RLRunConfig, aliases=_ALIASES, usage=USAGE)
 
 
 def warm_start(cfg, say=print) -> None:

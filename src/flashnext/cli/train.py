@@ -39,8 +39,15 @@ def flag_value(argv: list[str], i: int, what: str) -> tuple[str, int]:
     raise ConfigError(f"{flag} needs {what}")
 
 
-def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[RunConfig, bool]:
-    """`flashnext train` arguments -> (run config, print_config); `cls`: the config class (`flashnext rl`'s)."""
+def parse_args(
+    argv: list[str],
+    cls: type[RunConfig] | None = None,
+    aliases: dict[str, tuple[str, str]] | None = None,
+    usage: str = USAGE,
+) -> tuple[RunConfig, bool]:
+    """`flashnext train` arguments -> (run config, print_config). Another command (`flashnext rl`) passes its config
+    class `cls`, its `usage` text and `aliases`: flag -> (the field it sets, what value it takes), e.g.
+    `--env NAME` for `--env.name="NAME"`."""
     from flashnext.train.config import RunConfig, load_run_config
 
     config_path, overrides, print_config = None, [], False
@@ -48,9 +55,13 @@ def parse_args(argv: list[str], cls: type[RunConfig] | None = None) -> tuple[Run
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(USAGE)
+            print(usage)
             raise SystemExit(0)
-        if arg == "--config" or arg.startswith("--config="):
+        if arg.partition("=")[0] in (aliases or {}):
+            field, what = aliases[arg.partition("=")[0]]
+            value, i = flag_value(argv, i, what)
+            overrides.append(f"--{field}={json.dumps(value)}")
+        elif arg == "--config" or arg.startswith("--config="):
             config_path, i = flag_value(argv, i, "a path")
         elif arg == "--resume" or arg.startswith("--resume="):
             where = "latest"
