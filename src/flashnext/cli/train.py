@@ -57,8 +57,8 @@ def parse_args(
         if arg in ("-h", "--help"):
             print(usage)
             raise SystemExit(0)
-        if arg.partition("=")[0] in (aliases or {}):
-            field, what = aliases[arg.partition("=")[0]]
+        if (alias := (aliases or {}).get(arg.partition("=")[0])) is not None:
+            field, what = alias
             value, i = flag_value(argv, i, what)
             overrides.append(f"--{field}={json.dumps(value)}")
         elif arg == "--config" or arg.startswith("--config="):

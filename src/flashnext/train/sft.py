@@ -137,12 +137,11 @@ class SFTWorkload:
 def _params_text(model, ctx) -> str:
     """The whole model's parameter count, the same under torchrun as in one process (FSDP2 shards and owner-routed
     tables count their full shapes), and under torchrun rank 0's share of it."""
-    if not ctx.distributed:
-        return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params"
     from flashnext.parallel import parameter_counts
 
     total, local = parameter_counts(model)
-    return f"{total / 1e6:.2f}M params ({local / 1e6:.2f}M held by rank 0 of {ctx.world_size})"
+    text = f"{total / 1e6:.2f}M params"
+    return f"{text} ({local / 1e6:.2f}M held by rank 0 of {ctx.world_size})" if ctx.distributed else text
 
 
 def _precision(cfg: RunConfig) -> str:
