@@ -112,3 +112,24 @@ def test_mixer_inject_dropped_and_own_head_used(tmp_path):
         a = model(ids, return_mtp=True).mtp_logits
         b = loaded(ids, return_mtp=True).mtp_logits
     assert (a - b).abs().max() > 1e-2  # the head of its own changes the draft logits
+
+
+def test_composite_with_vision_loads_its_mtp_head(tmp_path):
+    """A composite checkpoint (vision tower) whose config declares an MTP layer: the head is built and loaded as
+    parameters (not kept aside), round-trips exactly, and transformers still loads the checkpoint."""
+    from ckpt_helpers import TINY_VISION
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration
+
+    raw = dict(model_type="qwen4_exp", text_config=tiny_text(mtp_num_hidden_layers=1), vision_config=TINY_VISION)
+    model = randomize(FlashNextForConditionalGeneration(parse_config(raw)), 4).eval()
+    model.save_pretrained(tmp_path)
+    assert "mtp.fc_hidden.weight" in headers(tmp_path) and "model.visual.pos_embed.weight" in headers(tmp_path)
+    loaded = flashnext.from_pretrained(tmp_path)
+    assert isinstance(loaded, FlashNextForConditionalGeneration) and loaded.mtp is not None
+    assert loaded.extra_tensors == {}
+    ours, back = model.state_dict(), loaded.state_dict()
+    assert set(ours) == set(back) and all(torch.equal(ours[k], back[k]) for k in ours)
+    ref = Qwen4ExpForConditionalGeneration.from_pretrained(tmp_path)
+    assert not any(k.startswith("mtp.") for k in ref.state_dict())

@@ -220,3 +220,32 @@ def test_image_sources():
         load_image("data:image/png;base64,aGVsbG8=")
     with pytest.raises(ImportError, match="pip install transformers pillow"):
         _require("flashnext_no_such_module", "transformers")
+
+
+def test_composite_mtp_head_equals_the_text_models(small_config):
+    """The composite model's MTP head (`mtp.*` beside `model.language_model.*`): on text, its draft logits, MTP
+    loss and gradients equal the text model's with the same weights; on an image sequence its loss reaches the
+    vision tower (through the trunk's residual). Serving's draft logits of an image prompt against these:
+    `tests/serve/test_image_serving.py`."""
+    cfg = _config({**small_config, "mtp_num_hidden_layers": 1})
+    comp = FlashNextForConditionalGeneration(cfg)
+    comp.init_weights(seed=0)
+    assert comp.mtp is not None
+    text = FlashNextForCausalLM(cfg.text)
+    renamed = {k.replace("model.language_model.", "model."): v for k, v in comp.state_dict().items()}
+    text.load_state_dict({k: v for k, v in renamed.items() if not k.startswith("model.visual.")})
+    b = _sequence([], [5, 6, 7, 8, 9, 10, 11, 12, 13], [], seed=0)
+    got = comp(b.input_ids, cu_seqlens=b.cu_seqlens, labels=b.labels, return_mtp=True)
+    want = text(b.input_ids, cu_seqlens=b.cu_seqlens, labels=b.labels, return_mtp=True)
+    torch.testing.assert_close(got.mtp_logits, want.mtp_logits, rtol=0, atol=0)  # the same ops on the same values
+    got.mtp_loss.backward()
+    want.mtp_loss.backward()
+    torch.testing.assert_close(comp.mtp.fc_hidden.weight.grad, text.mtp.fc_hidden.weight.grad, rtol=0, atol=0)
+
+    image = _sequence([(1, 4, 6)], [5, 6], [7, 8, 9, 10], seed=1)
+    out = comp(image.input_ids, cu_seqlens=image.cu_seqlens, labels=image.labels, return_mtp=True,
+               **image.image_kwargs())  # fmt: skip
+    assert torch.isfinite(out.mtp_loss) and out.mtp_logits.shape == (image.num_tokens, cfg.text.vocab_size)
+    comp.zero_grad()
+    out.mtp_loss.backward()
+    assert comp.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0

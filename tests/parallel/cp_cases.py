@@ -6,8 +6,11 @@ milliseconds) and returns what the tests compare:
   gathered blocks and keys/values), forward and backward, as max errors computed on the rank itself;
 - the model on packed batches split over the whole world as one CP group: logits, loss, every parameter gradient
   and the QSA selection, gathered on rank 0, against `reference_model_run` (one process, no process group);
+- the chunked LM head and the MTP head's loss under CP (labels shifted across the slice's edges by the model):
+  loss sums and gradients against `reference_heads_run`;
 - training: `Trainer` with `parallel.cp = CP_TRAIN` (the world as `world / CP_TRAIN` groups, FSDP2 over all ranks),
-  three steps of Muon/ExpertMuon/AdamW with the RL loss, against `reference_trainer_run` (one process).
+  three steps of Muon/ExpertMuon/AdamW with the RL loss and the MTP loss, against `reference_trainer_run` (one
+  process).
 """
 
 from __future__ import annotations
@@ -144,6 +147,46 @@ def model_case(rank: int, world: int, name: str) -> dict:
     }
 
 
+MTP_WEIGHT = 0.3
+
+
+def _heads_loss(model, ids, labels, **kwargs):
+    """(the chunked heads' loss sums, their weighted total) of a forward with labels and the MTP head."""
+    out = model(ids, labels=labels, return_logits=False, return_mtp=True, **kwargs)
+    return {"loss_sum": float(out.loss_sum), "mtp_loss_sum": float(out.mtp_loss_sum)}, (
+        out.loss_sum + MTP_WEIGHT * out.mtp_loss_sum
+    )
+
+
+@functools.cache
+def reference_heads_run(name: str) -> dict:
+    """One process: the chunked LM head's and the MTP head's loss sums over batch `name`, and the gradients of
+    their weighted sum."""
+    model, b = build(), batch(name)
+    sums, loss = _heads_loss(model, b.input_ids, b.labels, cu_seqlens=b.cu_seqlens)
+    loss.backward()
+    return {**sums, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def heads_case(rank: int, world: int, name: str) -> dict:
+    """`reference_heads_run` with the world as one CP group: each rank passes its slice's own labels (the model
+    shifts them, and the MTP head's next tokens, across the slice's edge); sums and gradients all-reduced."""
+    model, b = build(), batch(name)
+    layout = plan_layout(b.lengths, world, model_config().indexer_compress_ratio)
+    lo, hi = layout.rows(rank)
+    ids, pos, labels = (layout.pad(x, fill)[lo:hi] for x, fill in
+                        ((b.input_ids, 0), (b.position_ids, 0), (b.labels, -100)))  # fmt: skip
+    cu = torch.tensor(layout.local_cu(rank), dtype=torch.int32)
+    sums, loss = _heads_loss(model, ids, labels, cu_seqlens=cu, position_ids=pos, cp=DistributedShard(layout, rank))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)
+    totals = torch.tensor([sums["loss_sum"], sums["mtp_loss_sum"]], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {"loss_sum": float(totals[0]), "mtp_loss_sum": float(totals[1]), "grads": grads} if rank == 0 else {}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
@@ -274,13 +317,15 @@ def write_checkpoint(path: str) -> str:
 
 
 def trainer_overrides(data: str, out_dir: str, micro_batches: int, cp: int, model: str) -> list[str]:
-    """The run both sides train: 3 steps of Muon/ExpertMuon/AdamW with the RL loss from the checkpoint `model`."""
+    """The run both sides train: 3 steps of Muon/ExpertMuon/AdamW with the RL loss and the MTP head's loss from the
+    checkpoint `model`."""
     return [
         f"--model.path={model}",
         f"--data.path={data}",
         "--data.token_budget=96",
         f"--data.micro_batches={micro_batches}",
         "--train.loss=rl",
+        f"--train.mtp_loss_weight={MTP_WEIGHT}",
         "--train.steps=3",
         "--train.activation_checkpointing=true",
         "--optim.warmup_steps=1",
@@ -319,5 +364,6 @@ def run_rank(rank: int, world: int, root: str) -> dict:
     return {
         "ops": op_cases(rank, world),
         "models": {name: model_case(rank, world, name) for name in ("packed", "short")},
+        "heads": {name: heads_case(rank, world, name) for name in ("packed", "short")},
         "trainer": trainer_case(rank, world, root),
     }

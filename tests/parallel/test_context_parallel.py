@@ -94,14 +94,29 @@ def test_model_equals_one_process(world, name, root):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["packed", "short"])
+def test_chunked_head_and_mtp_loss_equal_one_process(world, name, root):
+    """The chunked LM head's and the MTP head's loss sums (targets one and two tokens ahead cross the slices'
+    edges) and the gradients of their weighted sum, split over a CP group, equal one process's (fp32: the split
+    changes only the order of the gathered sums)."""
+    got, ref = results(world, root)[0]["heads"][name], one_thread(cc.reference_heads_run, name)
+    assert got["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-6)
+    assert got["mtp_loss_sum"] == pytest.approx(ref["mtp_loss_sum"], rel=1e-6)
+    assert got["grads"].keys() == ref["grads"].keys() and any(k.startswith("mtp.") for k in ref["grads"])
+    errors = {k: rel(got["grads"][k], g) for k, g in ref["grads"].items()}
+    assert max(errors.values()) <= 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_trainer_cp_steps_equal_one_process(world, root):
-    """`parallel.cp = 2` with FSDP2 over the world: three Muon/AdamW steps of the RL loss take the one-process
-    steps (loss, RL metrics, token counts, grad norm, weights)."""
+    """`parallel.cp = 2` with FSDP2 over the world: three Muon/AdamW steps of the RL loss plus the MTP loss take
+    the one-process steps (loss, MTP loss, RL metrics, token counts, grad norm, weights)."""
     res = [r["trainer"] for r in results(world, root)]
     ref = one_thread(cc.reference_trainer_run, str(root), world)
     for a, b in zip(ref["history"], res[0]["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
         assert (b["tokens"], b["loss_tokens"]) == (a["tokens"], a["loss_tokens"])
         for k in (k for k in a if k.startswith("rl/")):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k

@@ -199,3 +199,55 @@ def test_server_rejects_remote_urls_and_images_to_text_models(image_server):
                 model=name, messages=_image_messages(_png_data_url(8, 8, seed=1)), max_tokens=2
             )
     assert json.loads(err.value.response.text)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("budget", [64, 7], ids=["one-chunk", "chunked-across-images"])
+def test_image_prompt_with_speculative_decoding_equals_full_forward(model, budget):
+    """The composite model's MTP head drafts for an image prompt (its cells rotate at the MRoPE positions): greedy
+    tokens equal the full forward's, drafts were proposed and verified, and the state is freed."""
+    assert model.mtp is not None  # the tiny config declares one MTP layer
+    grid = torch.tensor([[1, 4, 6], [1, 2, 4]])
+    pixel_values = torch.randn(int(grid.prod(-1).sum()), P, generator=torch.Generator().manual_seed(2))
+    prompt = [5, 17, 99, 3, 42, *_span(6), 7, 8, 9, *_span(2), 300, 11, 4, 250]
+    want = _full_greedy(model, prompt, pixel_values, grid, n=10)
+    engine = Engine(model, max_slots=2, max_model_len=64, max_num_batched_tokens=budget)
+    req = engine.add_request(
+        prompt, SamplingParams(max_tokens=10, num_speculative_tokens=2, **GREEDY), pixel_values=pixel_values,
+        image_grid_thw=grid,
+    )  # fmt: skip
+    while not req.finished:
+        engine.step()
+    assert req.output_ids == want
+    assert engine.stats.spec_drafted > 0
+    assert engine.cache.free_slots == engine.cache.max_slots
+
+
+def test_image_prompt_draft_logits_equal_the_training_forward(model, monkeypatch):
+    """The draft head's first proposal for an image prompt (prompt cells + the sampled token's cell, served with
+    MRoPE positions and the QSA cache of cells) equals the training forward's `mtp_logits` at that cell."""
+    grid = torch.tensor([[1, 4, 6]])
+    pixel_values = torch.randn(int(grid.prod(-1).sum()), P, generator=torch.Generator().manual_seed(3))
+    prompt = [5, 17, 99, *_span(6), 7, 8, 9, 300, 11]
+    seen = []
+    real = type(model).draft_step
+
+    def spy(self, residual, next_ids, step, cache):
+        logits, r_next = real(self, residual, next_ids, step, cache)
+        seen.append(logits.clone())
+        return logits, r_next
+
+    monkeypatch.setattr(type(model), "draft_step", spy)
+    engine = Engine(model, max_slots=1, max_model_len=64)
+    req = engine.add_request(
+        prompt, SamplingParams(max_tokens=4, num_speculative_tokens=1, **GREEDY), pixel_values=pixel_values,
+        image_grid_thw=grid,
+    )  # fmt: skip
+    engine.step()  # the prefill samples the first token and proposes one draft
+    ids = torch.tensor(prompt + req.output_ids[:1])
+    types = (ids == IMG).long()
+    types[len(prompt) :] = 0
+    with torch.no_grad():
+        out = model(ids, pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=types, return_mtp=True)
+    # fp32; the serving path's fused projections and cached QSA differ from the training path by rounding only
+    torch.testing.assert_close(seen[0][-1], out.mtp_logits[len(prompt) - 1], rtol=0, atol=1e-4)
+    assert req.drafts == [int(out.mtp_logits[len(prompt) - 1].argmax())] or req.finished

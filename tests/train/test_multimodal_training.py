@@ -62,3 +62,28 @@ def test_trainer_steps_images_and_converts(small_config, composite_checkpoint, t
     assert isinstance(back, FlashNextForConditionalGeneration)
     state = training.load(ckpt)["model"]
     assert all(torch.equal(v, state[k]) for k, v in back.state_dict().items())
+
+
+def test_trainer_trains_the_composite_mtp_head_on_images(small_config, tmp_path):
+    """`train.mtp_loss_weight` on a composite checkpoint with an MTP layer: one step on an image batch reports the
+    head's loss and moves its weights."""
+    cfg = parse_config(
+        dict(
+            model_type="qwen4_exp",
+            text_config={**small_config, "mtp_num_hidden_layers": 1},
+            vision_config=dict(VISION),
+            image_token_id=IMG,
+        )
+    )
+    model = FlashNextForConditionalGeneration(cfg)
+    model.init_weights(seed=0)
+    model.save_pretrained(tmp_path / "vlm")
+    data = _write_pretokenized(tmp_path / "d.jsonl", n=8)
+    extra = [f"--model.path={json.dumps(str(tmp_path / 'vlm'))}", "--train.mtp_loss_weight=0.5"]
+    args = [a for a in _overrides(small_config, tmp_path, data, "--train.steps=1", *extra) if "overrides" not in a]
+    trainer = Trainer(load_run_config(None, args))
+    assert trainer.model.mtp is not None
+    before = trainer.model.mtp.fc_hidden.weight.detach().clone()
+    metrics = trainer.train_step([_image_batch()])
+    assert 0 < metrics["mtp_loss"] < 20 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert not torch.equal(trainer.model.mtp.fc_hidden.weight, before)

@@ -16,6 +16,9 @@ needs, in the form the ops already take for serving state:
   rank's complete-block keys (no gradient: the indexer is frozen); both describe the whole stream `global_seg`, of
   which this rank's tokens are rows `offset .. offset + T - 1`.
 
+The heads read across the right edge: `next_rows(x)` shifts labels to next-token targets (twice for the MTP head)
+and gives the MTP head each cell's next token, as one process shifts them within a sequence.
+
 The calls are collectives: every rank of the group makes them in the same order, which the identical layer code on
 every rank ensures, and each result depends on the exchanged tensors on every rank (also where it is all fill), so
 every rank also joins each exchange's backward.
@@ -58,4 +61,9 @@ class ContextShard(Protocol):
 
     def gather_blocks(self, keys: torch.Tensor) -> torch.Tensor:
         """This rank's complete-block keys [NB, Di] -> every rank's [NB_global, Di] in stream order (no gradient)."""
+        ...
+
+    def next_rows(self, x: torch.Tensor, fill: int | float = -100) -> torch.Tensor:
+        """x [T] (ids or labels, no gradient) -> [T]: each row's next row within its sequence, across the right
+        edge (`fill` at each sequence's last row)."""
         ...

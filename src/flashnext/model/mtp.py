@@ -36,6 +36,7 @@ from torch import nn
 
 from flashnext.batch import Segments, next_token_targets
 from flashnext.config import INDEXED, TextConfig
+from flashnext.model.context import ContextShard
 from flashnext.model.fused import apply_linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
@@ -68,6 +69,7 @@ class MultiTokenPredictor(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         seg: Segments,
         state: StepState[list] | None = None,
+        cp: ContextShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over a stream of cells.
 
@@ -78,6 +80,8 @@ class MultiTokenPredictor(nn.Module):
             seg: the cells' segments (one sequence of cells per sequence).
             state: serving: the step and the head's per-layer cache (`cache.layers` past the trunk's); the cells
                 continue their slots' cached cells and the projections take the prepared fused path.
+            cp: context parallelism (training): the cells are this rank's slice; the layer's QSA attention
+                gathers the group's keys as the trunk's do (`model.context`).
 
         Returns:
             (R_next [T, hc*D], y [T, D]): the layer's multi-stream output and its mixed output (for `lm_head`).
@@ -89,7 +93,7 @@ class MultiTokenPredictor(nn.Module):
         h = apply_linear(self.fc_hidden, normed, fused).view(T, self.hc, self.hidden)
         x = (h + e.unsqueeze(1)).flatten(1)
         layer_state = None if state is None else StepState(state.step, state.bufs[0])
-        x, _ = self.layers[0](x, None, rope, seg, None, layer_state)
+        x, _ = self.layers[0](x, None, rope, seg, None, layer_state, cp)
         return x, self.hyper_connection_mixer(x, fused)
 
 

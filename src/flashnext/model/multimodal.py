@@ -14,11 +14,12 @@ State-dict names equal the reference's in-memory `Qwen4ExpForConditionalGenerati
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
+from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments, next_token_targets
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.fused import linear
@@ -30,6 +31,7 @@ from flashnext.model.text import (
     FlashNextTextModel,
     head_outputs,
     last_token_logits,
+    mtp_outputs,
 )
 from flashnext.model.vision import VisionModel, grid_list
 
@@ -119,8 +121,12 @@ class FlashNextForConditionalGeneration(nn.Module):
     """Qwen3.8-Flash-Next with its vision tower. Called like `FlashNextForCausalLM`, plus image inputs.
 
     Same interface as `FlashNextForCausalLM` (see there): `decoder`, and the optional parts `visual` (None with
-    `language_model_only`) and `mtp` (always None: the composite model carries no MTP head).
+    `language_model_only`) and `mtp`, the MTP draft head (`mtp.*`, when the text config declares an MTP layer; the
+    same head as the text model's, trained with `return_mtp` and served by `draft_step`).
     """
+
+    draft_step = FlashNextForCausalLM.draft_step
+    mtp_head_weight = FlashNextForCausalLM.mtp_head_weight
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -131,7 +137,8 @@ class FlashNextForConditionalGeneration(nn.Module):
         self.image_token_id = cfg.image_token_id
         self.model = FlashNextMultimodalModel(cfg)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
-        self.mtp: MultiTokenPredictor | None = None
+        # Registered after `lm_head`, as in the text model: the trunk's init draws do not depend on it.
+        self.mtp = MultiTokenPredictor(cfg.text) if cfg.text.mtp_layers else None
         self.extra_tensors: dict[str, torch.Tensor] = {}
 
     @property
@@ -158,6 +165,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         routed_experts: torch.Tensor | None = None,
         logprob_targets: torch.Tensor | None = None,
         return_logits: bool = True,
+        return_mtp: bool = False,
     ) -> CausalLMOutput:
         """Padded `[B, S]` ids (+ `attention_mask`), or flat `[T]` ids with `cu_seqlens` (`[N+1]`).
 
@@ -168,7 +176,8 @@ class FlashNextForConditionalGeneration(nn.Module):
                 (`input_ids == image_token_id`) when absent.
             position_ids: `[3, B, S]` / `[3, T]` MRoPE positions (or `[B, S]` / `[T]`); computed with
                 `get_rope_index` when absent.
-            labels, routed_experts, logprob_targets, return_logits: as `FlashNextForCausalLM.forward`.
+            labels, routed_experts, logprob_targets, return_logits, return_mtp: as `FlashNextForCausalLM.forward`
+                (the MTP head's cells rotate at the tokens' MRoPE positions).
 
         Raises:
             InputError: as `FlashNextForCausalLM.forward`, plus image inputs of the wrong shape or dtype or whose
@@ -190,8 +199,14 @@ class FlashNextForConditionalGeneration(nn.Module):
         embeds = self.embed(ids, pixel_values, image_grid_thw, inputs.per_token["mm_token_type_ids"])
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
-        hidden, experts, _ = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
-        return head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
+        if return_mtp and self.mtp is None:
+            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
+        hidden, experts, residual = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
+        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
+        if return_mtp:
+            mtp_outputs(self, out, residual, inputs if seg is inputs.seg else replace(inputs, seg=seg), return_logits,
+                        lambda x, fill: next_token_targets(x, seg, fill))  # fmt: skip
+        return out
 
     def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
         """Host-side shape/dtype checks of the image inputs (counts against the placeholders: `embed`)."""
@@ -221,21 +236,24 @@ class FlashNextForConditionalGeneration(nn.Module):
         *,
         return_routing: bool = False,
         rows: torch.Tensor | None = None,
+        with_residual: bool = False,
     ):
-        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing` and `rows` too); image features
-        come in `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower
-        never runs here."""
+        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing`, `rows` and `with_residual`
+        too); image features come in `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(...,
+        mrope=...)`), so the tower never runs here."""
         state = StepState(step, cache.layers)
-        hidden, routed, _ = self.model.language_model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        lm = self.model.language_model
+        hidden, routed, residual = lm(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
             logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
-        return (logits, routed) if return_routing else logits
+        extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
+        return (logits, *extras) if extras else logits
 
     def state_spec(self, max_len: int) -> list[dict]:
-        """Per decoder layer, the per-sequence serving state (the vision tower keeps none)."""
-        return self.model.language_model.state_spec(max_len)
+        """Per decoder layer, the per-sequence serving state (the vision tower keeps none), then the MTP head's."""
+        return FlashNextForCausalLM.state_spec(self, max_len)
 
     def mrope_segments(
         self, ids: torch.Tensor, seg: Segments, mm_token_type_ids: torch.Tensor | None, grid_thw: torch.Tensor

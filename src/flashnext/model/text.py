@@ -20,7 +20,7 @@ from flashnext.model.fused import linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.moe import Experts, Router
-from flashnext.model.mtp import MultiTokenPredictor, mtp_inputs, mtp_targets
+from flashnext.model.mtp import MultiTokenPredictor, mtp_inputs
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
@@ -169,8 +169,9 @@ class FlashNextForCausalLM(nn.Module):
                 predicts `labels[t+2]` within a sequence). The trunk's outputs are the same either way.
             cp: context parallelism (`flashnext.parallel.context`): the flat ids are this rank's slice of its
                 group's stream, `cu_seqlens` the slice's own boundaries and `position_ids` the global positions.
-                Targets cross the slice's edge, so no `labels` (and no MTP head) here: form them on the whole
-                stream (`ContextLayout.targets`) and take the loss of the local logits.
+                `labels` are the slice's own (unshifted) labels: the heads shift them, and the MTP head its next
+                tokens, across the slice's right edge (`cp.next_rows`); `loss_sum` is then this slice's part of
+                the stream's sum (`loss` its mean over this slice's targets).
 
         An empty batch (`[0, S]` or `[0]` ids) returns empty logits (`[0, S, V]` / `[0, V]`).
 
@@ -179,10 +180,8 @@ class FlashNextForCausalLM(nn.Module):
                 the vocabulary, `routed_experts` that are not `[T, L, k]` integers, or `return_mtp` without an
                 MTP head.
         """
-        if cp is not None and (input_ids.dim() != 1 or labels is not None or return_mtp):
-            raise InputError(
-                "with cp, pass flat [T] input_ids, no labels and no return_mtp (targets are formed on the whole stream)"
-            )
+        if cp is not None and input_ids.dim() != 1:
+            raise InputError(f"with cp, pass flat [T] input_ids (got shape {tuple(input_ids.shape)})")
         inputs = flatten_inputs(
             input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels,
             logprob_targets=logprob_targets,
@@ -192,27 +191,11 @@ class FlashNextForCausalLM(nn.Module):
         if return_mtp and self.mtp is None:
             raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
         hidden, experts, residual = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
-        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
+        shift = _shifter(inputs.seg, cp)
+        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits, shift)
         if return_mtp:
-            self._mtp_outputs(out, residual, inputs, return_logits)
+            mtp_outputs(self, out, residual, inputs, return_logits, shift, cp)
         return out
-
-    def _mtp_outputs(self, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool):
-        """Fill `out.mtp_logits` / `out.mtp_loss` from the trunk's residual [T, hc*D]; without `return_logits`
-        the draft loss comes from the chunked head (`ops.lm_head`) and `mtp_logits` stays None."""
-        y = self.mtp_hidden(residual, inputs.ids, inputs.seg)
-        weight, labels = self.mtp_head_weight(), inputs.per_token["labels"]
-        if return_logits:
-            mtp_logits = F.linear(y, weight)
-            out.mtp_logits = inputs.pad_back(mtp_logits)
-        if labels is None:
-            return
-        tgt = mtp_targets(labels, inputs.seg)
-        if return_logits:
-            out.mtp_loss_sum = F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum")
-        else:
-            out.mtp_loss_sum = lm_head_ops.linear_cross_entropy(y, weight, tgt)
-        out.mtp_loss = out.mtp_loss_sum / (tgt != -100).sum()
 
     def mtp_logits(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The MTP head over a whole stream (training): residual [T, hc*D], ids [T] -> draft logits [T, V]."""
@@ -220,8 +203,8 @@ class FlashNextForCausalLM(nn.Module):
 
     def mtp_hidden(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The MTP head's final hidden states over a whole stream: residual [T, hc*D], ids [T] -> [T, D]."""
-        rope = self.model.rotary(seg.position_ids, residual.dtype)
-        embeds = self.model.embed_tokens(mtp_inputs(input_ids, seg))
+        rope = self.decoder.rotary(seg.position_ids, residual.dtype)
+        embeds = self.decoder.embed_tokens(mtp_inputs(input_ids, seg))
         _, y = self.mtp(residual, embeds, rope, seg)
         return y
 
@@ -240,7 +223,7 @@ class FlashNextForCausalLM(nn.Module):
         """Per layer, the per-sequence serving state of its stateful parts (what `StateCache` allocates): the
         trunk's layers, then the MTP head's (its cache of cells) when the model has one."""
         mtp = [] if self.mtp is None else self.mtp.state_spec(max_len)
-        return self.model.state_spec(max_len) + mtp
+        return self.decoder.state_spec(max_len) + mtp
 
     @torch.no_grad()
     def forward_step(
@@ -292,7 +275,8 @@ class FlashNextForCausalLM(nn.Module):
         Args:
             residual: [T, hc*D] each cell's `R_i` (trunk residual rows, or the previous draft step's `R_next`).
             next_ids: int64 [T] each cell's next token `x_{i+1}`.
-            step: the cells' entries: slot and first cell position (`cached`) per entry (`make_step`).
+            step: the cells' entries: slot and first cell position (`cached`) per entry (`make_step`; with the
+                requests' `mrope` for an image prompt: each cell rotates at its token's MRoPE position).
             cache: the `StateCache`; the head's cache of cells (after the trunk's layers) is updated in place.
 
         Returns:
@@ -300,12 +284,13 @@ class FlashNextForCausalLM(nn.Module):
         """
         if self.mtp is None:
             raise InputError("draft_step: this model has no MTP head (its config declares no MTP layer)")
-        dtype = residual.dtype
+        dtype, decoder = residual.dtype, self.decoder
         if self.config.qsa_enabled:
-            plan_blocks(step, self.config.indexer_compress_ratio, self.model.rotary, dtype)
-        rope = self.model.rotary(step.seg.position_ids, dtype)
-        state = StepState(step, cache.layers[len(self.model.layers) :])
-        r_next, y = self.mtp(residual, self.model.embed_tokens(next_ids), rope, step.seg, state)
+            plan_blocks(step, self.config.indexer_compress_ratio, decoder.rotary, dtype)
+        positions = step.seg.position_ids if step.rope_positions is None else step.rope_positions  # MRoPE
+        rope = decoder.rotary(positions, dtype)
+        state = StepState(step, cache.layers[len(decoder.layers) :])
+        r_next, y = self.mtp(residual, decoder.embed_tokens(next_ids), rope, step.seg, state)
         last = last_token_rows(y, step)
         return linear(last, self.mtp_head_weight(), fused=True, contiguous=False), r_next
 
@@ -350,6 +335,30 @@ class FlashNextForCausalLM(nn.Module):
         from flashnext.checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+def mtp_outputs(model, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool,
+                shift, cp: ContextShard | None = None) -> None:  # fmt: skip
+    """Fill `out.mtp_logits` / `out.mtp_loss` of `model` (a causal LM or the composite model, with `mtp`) from the
+    trunk's residual [T, hc*D]; without `return_logits` the draft loss comes from the chunked head
+    (`ops.lm_head`) and `mtp_logits` stays None. `shift(x, fill)`: the within-sequence next row (across the slice's
+    edge under `cp`). The head embeds each cell's next token id (image placeholders included: the draft step of a
+    served image prompt then needs no image features)."""
+    decoder = model.decoder
+    rope = decoder.rotary(inputs.seg.position_ids, residual.dtype)
+    _, y = model.mtp(residual, decoder.embed_tokens(shift(inputs.ids, 0)), rope, inputs.seg, cp=cp)
+    weight, labels = model.mtp_head_weight(), inputs.per_token["labels"]
+    if return_logits:
+        mtp_logits = F.linear(y, weight)
+        out.mtp_logits = inputs.pad_back(mtp_logits)
+    if labels is None:
+        return
+    tgt = shift(shift(labels, -100), -100)  # labels[t + 2] within the sequence (`mtp.mtp_targets`)
+    if return_logits:
+        out.mtp_loss_sum = F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum")
+    else:
+        out.mtp_loss_sum = lm_head_ops.linear_cross_entropy(y, weight, tgt)
+    out.mtp_loss = out.mtp_loss_sum / (tgt != -100).sum()
 
 
 class WholeTensorInit:
@@ -426,8 +435,21 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) ->
     return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()
 
 
+def _shifter(seg: Segments, cp: ContextShard | None):
+    """`shift(x, fill)`: each row's next row within its sequence (`fill` at the last): `next_token_targets` on the
+    stream, or `cp.next_rows` across a context-parallel slice's right edge."""
+    if cp is None:
+        return lambda x, fill: next_token_targets(x, seg, fill)
+    return cp.next_rows
+
+
 def head_outputs(
-    lm_head: nn.Linear, hidden: torch.Tensor, inputs: ModelInputs, experts: torch.Tensor, return_logits: bool
+    lm_head: nn.Linear,
+    hidden: torch.Tensor,
+    inputs: ModelInputs,
+    experts: torch.Tensor,
+    return_logits: bool,
+    shift=None,
 ) -> CausalLMOutput:
     """The LM head's outputs of a forward: logits, and the loss / target log-probs the inputs ask for.
 
@@ -437,12 +459,13 @@ def head_outputs(
     Args:
         hidden: [T, D] the final hidden states; inputs: the forward's `ModelInputs` (`labels`,
             `logprob_targets` in `per_token`); experts: the routed experts to pass through.
+        shift: `shift(labels, -100)` -> next-token targets (default: within `inputs.seg`; see `_shifter`).
     """
     labels, targets = inputs.per_token.get("labels"), inputs.per_token.get("logprob_targets")
     logits = lm_head(hidden) if return_logits else None
     out = CausalLMOutput(logits=None if logits is None else inputs.pad_back(logits), routed_experts=experts)
     if labels is not None:
-        nxt = next_token_targets(labels, inputs.seg)
+        nxt = shift(labels, -100) if shift is not None else next_token_targets(labels, inputs.seg)
         if logits is not None:
             out.loss_sum = F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum")
         else:

@@ -28,6 +28,9 @@ Exchanges (`DistributedShard`), one per mixer that reads across the edge:
   Its cost is K extra value channels in the delta rule of each slice.
 - `gather(x)`: QSA keys and values of every rank (all-gather; backward reduce-scatter) and `gather_blocks`: the
   complete-block indexer keys (all-gather of each rank's keys padded to L / c rows, no gradient).
+- `next_rows(x)`: the one exchange across the right edge, for the heads' targets (no gradient): labels shifted to
+  next-token targets (and twice for the MTP head's), and the MTP head's next-token inputs, formed on the gathered
+  stream exactly as one process forms them.
 
 Why the mixers ask a shard (`cp=` passed down the forward, like serving state) rather than `parallelize` installing
 module hooks or wrappers: the exchanged quantities (the convs' input rows, the GDN (A, U) pair, K/V after RoPE) are
@@ -277,6 +280,13 @@ class DistributedShard:
         return all_gather_rows(x, self.group)
 
     @torch.no_grad()
+    def next_rows(self, x: torch.Tensor, fill: int | float = IGNORE_INDEX) -> torch.Tensor:
+        """x [L] (ids or labels, no gradient) -> [L]: each row's next row within its sequence, across the slice's
+        right edge (`fill` at a sequence's last row): the shift one process makes with `next_token_targets`."""
+        whole = next_token_targets(all_gather_rows(x, self.group), self.global_seg, fill)
+        return whole[self.offset : self.offset + x.shape[0]]
+
+    @torch.no_grad()
     def gather_blocks(self, keys: torch.Tensor) -> torch.Tensor:
         """This rank's complete-block keys [NB_r, Di] -> every rank's [NB, Di] in stream order."""
         counts = self._block_counts or self.layout.block_counts()
@@ -294,7 +304,10 @@ class ContextBatch:
 
     Attributes:
         input_ids, position_ids: int64 [L]; cu_seqlens: int32 [n + 1] the slice's own boundaries.
+        labels: int64 [L] the slice's own labels, unshifted (-100 on padding): the model shifts them across the
+            edge (`DistributedShard.next_rows`).
         targets: int64 [L] next-token targets (-100: none, padding included).
+        num_mtp_targets: the MTP head's targets (`labels[t + 2]` within a sequence) among this slice's rows.
         inference_logprobs, advantages: float [L] shifted like the targets (RL), or None.
         routed_experts: int64 [L, layers, k] or None.
         shard: the rank's `DistributedShard` (the model's `cp` argument).
@@ -304,7 +317,9 @@ class ContextBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    labels: torch.Tensor
     targets: torch.Tensor
+    num_mtp_targets: int
     inference_logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
     routed_experts: torch.Tensor | None
@@ -351,11 +366,14 @@ class ContextGroup:
             name: None if x is None else next_token_targets(x, seg, 0.0)  # aligned with the prediction at t
             for name, x in (("lp", batch.inference_logprobs), ("adv", batch.advantages))
         }
+        two_ahead = next_token_targets(next_token_targets(batch.labels, seg, IGNORE_INDEX), seg, IGNORE_INDEX)
         return ContextBatch(
             input_ids=local(batch.input_ids, 0),
             position_ids=local(batch.position_ids, 0),
             cu_seqlens=torch.tensor(layout.local_cu(self.rank), dtype=torch.int32),
+            labels=local(batch.labels, IGNORE_INDEX),
             targets=layout.targets(batch.labels, batch.cu_seqlens)[lo:hi].to(device),
+            num_mtp_targets=int((layout.pad(two_ahead, IGNORE_INDEX)[lo:hi] != IGNORE_INDEX).sum()),
             inference_logprobs=local(shifted["lp"], 0.0),
             advantages=local(shifted["adv"], 0.0),
             routed_experts=local(batch.routed_experts, 0),

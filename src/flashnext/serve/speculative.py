@@ -90,7 +90,7 @@ class Speculator:
     """Draft proposal, verification and rollback bookkeeping for an engine whose model has an MTP head.
 
     Args:
-        model: a `FlashNextForCausalLM` with `mtp` (prepared for serving).
+        model: a `FlashNextForCausalLM` or `FlashNextForConditionalGeneration` with `mtp` (prepared for serving).
         cache: the engine's `StateCache` (it holds the head's cells after the trunk's layers).
         max_model_len: the engine's longest sequence (drafts never reach past it).
         stats: the engine's `EngineStats` (speculation counters).
@@ -232,7 +232,9 @@ class Speculator:
             rows.extend(range(r0, r0 + hi - lo))
             next_ids.extend(req.tokens(lo + 1, hi + 1))
             cu.append(cu[-1] + hi - lo)
-        step = make_step(cu, [t[0].slot for t in todo], [t[1] for t in todo], self.cache.scratch_slot, self.device)
+        mrope = [t[0].mrope for t in todo]  # an image prompt's cells rotate at their tokens' MRoPE positions
+        step = make_step(cu, [t[0].slot for t in todo], [t[1] for t in todo], self.cache.scratch_slot, self.device,
+                         mrope)  # fmt: skip
         residual = out.residual.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         logits, r_next = self.model.draft_step(residual, self._ids(next_ids), step, self.cache)
         for req, _, hi, _ in todo:
@@ -258,7 +260,7 @@ class Speculator:
             positions = [reqs[idx].num_tokens - 2 + j for idx in live]
             step = make_step(
                 list(range(len(live) + 1)), [reqs[idx].slot for idx in live], positions, self.cache.scratch_slot,
-                self.device,
+                self.device, [reqs[idx].mrope for idx in live],
             )  # fmt: skip
             step_logits, r_last = self.model.draft_step(r_last, self._ids([drafts[idx][-1] for idx in live]), step,
                                                          self.cache)  # fmt: skip

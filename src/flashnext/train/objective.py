@@ -7,8 +7,9 @@ An `Objective` maps (model, micro-batch, the step's token counts) to `(loss, met
 - `WithMTP(main, ...)`: `main` plus the MTP head's loss from the same forward (`return_mtp=True`).
 Each loss is a sum divided by a count over the whole step (`loss.step_mean`), so the micro-batch losses add up to the
 step mean. The model computes the losses or the target log-probs without materialising the [T, V] logits
-(`return_logits=False`: the LM heads run in row chunks fused with the loss, `ops.lm_head`); a context-parallel
-slice (`ContextBatch`, targets shifted on the whole stream before slicing) goes through its slice's logits.
+(`return_logits=False`: the LM heads run in row chunks fused with the loss, `ops.lm_head`). A context-parallel
+slice (`ContextBatch`) takes the same path with `cp=`: the model shifts its labels across the slice's edge, so
+the main and the MTP losses are this slice's part of the stream's sums.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from flashnext.batch import PackedBatch, make_segments, next_token_targets
 from flashnext.parallel.context import ContextBatch
 from flashnext.train.config import RunConfig
-from flashnext.train.loss import IGNORE_INDEX, RLLossConfig, rl_loss, shifted_sft_loss, step_mean, token_logprobs
+from flashnext.train.loss import IGNORE_INDEX, RLLossConfig, rl_loss, step_mean, token_logprobs
 
 Metrics = dict[str, torch.Tensor]
 
@@ -43,10 +44,11 @@ def _inputs(b: PackedBatch, device: torch.device, mtp: bool) -> tuple[torch.Tens
     return b.input_ids.to(device), b.labels.to(device), kwargs
 
 
-def _context_forward(model: torch.nn.Module, b: ContextBatch):
-    """A CP rank's slice through the model (its logits: the loss needs the slice's shifted targets)."""
-    return model(b.input_ids, cu_seqlens=b.cu_seqlens, position_ids=b.position_ids, routed_experts=b.routed_experts,
-                 cp=b.shard)  # fmt: skip
+def _context_inputs(b: ContextBatch, mtp: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """`_inputs` of a CP rank's slice: its ids, its own labels (unshifted) and `cp=` its shard."""
+    kwargs = dict(cu_seqlens=b.cu_seqlens, position_ids=b.position_ids, routed_experts=b.routed_experts,
+                  return_logits=False, cp=b.shard)  # fmt: skip
+    return b.input_ids, b.labels, {**kwargs, **({"return_mtp": True} if mtp else {})}
 
 
 class CrossEntropy:
@@ -56,10 +58,8 @@ class CrossEntropy:
         self.device = device
 
     def __call__(self, model, b, num_loss_tokens: float, mtp: bool = False):
-        if isinstance(b, ContextBatch):
-            out = _context_forward(model, b)
-            return shifted_sft_loss(out.logits, b.targets, num_loss_tokens), {}, out
-        ids, labels, kwargs = _inputs(b, self.device, mtp)
+        cp = isinstance(b, ContextBatch)
+        ids, labels, kwargs = _context_inputs(b, mtp) if cp else _inputs(b, self.device, mtp)
         out = model(ids, labels=labels, **kwargs)
         return step_mean(out.loss_sum, num_loss_tokens), {}, out
 
@@ -74,18 +74,19 @@ class InferenceIPO:
         self.device, self.rl = device, rl
 
     def __call__(self, model, b, num_loss_tokens: float, mtp: bool = False):
-        if isinstance(b, ContextBatch):
-            out = _context_forward(model, b)
-            return (*self._from_logits(out.logits, b.targets, b.inference_logprobs, b.advantages, num_loss_tokens), out)
-        dev = self.device
-        ids, labels, kwargs = _inputs(b, dev, mtp)
+        if isinstance(b, ContextBatch):  # shifted on the whole stream before slicing
+            ids, labels, kwargs = _context_inputs(b, mtp)
+            targets, lp_infer, adv = b.targets, b.inference_logprobs, b.advantages
+        else:
+            dev = self.device
+            ids, labels, kwargs = _inputs(b, dev, mtp)
+            seg = make_segments(b.cu_seqlens, ids.shape[0], kwargs["position_ids"], device=dev)
+            targets = next_token_targets(labels, seg, IGNORE_INDEX)
+            lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
+            adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
         # labels only for the MTP head's targets (the main head then also sums a CE nobody reads: one chunked pass)
         mtp_labels = {"labels": labels} if mtp else {}
-        seg = make_segments(b.cu_seqlens, ids.shape[0], kwargs["position_ids"], device=dev)
-        targets = next_token_targets(labels, seg, IGNORE_INDEX)
         mask = targets != IGNORE_INDEX
-        lp_infer = next_token_targets(b.inference_logprobs.to(dev), seg, 0.0)  # aligned with the prediction at t
-        adv = next_token_targets(b.advantages.to(dev), seg, 0.0)
         if self.rl.temperature != 1.0:  # the chunked head's log-probs are T = 1's: these go through the logits
             out = model(ids, **mtp_labels, **{**kwargs, "return_logits": True})
             return (*self._from_logits(out.logits, targets, lp_infer, adv, num_loss_tokens), out)
@@ -111,9 +112,8 @@ class Alone:
 
 
 class WithMTP:
-    """`main` plus the MTP head's loss (mean over the step's MTP targets) from the same forward.
-
-    (Context parallelism is refused with an MTP loss: its targets are two tokens ahead, across the slice's edge.)"""
+    """`main` plus the MTP head's loss (mean over the step's MTP targets) from the same forward (under context
+    parallelism the model forms its targets, two tokens ahead, across the slice's edge)."""
 
     def __init__(self, main):
         self.main = main

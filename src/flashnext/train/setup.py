@@ -201,11 +201,6 @@ def context_group_of(cfg: RunConfig, ctx: DistContext, model: torch.nn.Module):
 
     if not ctx.distributed or cfg.train.compile or not isinstance(model, FlashNextForCausalLM):
         raise ConfigError(f"parallel.cp={cp} needs a torchrun launch, a text model and train.compile=false")
-    if cfg.train.mtp_loss_weight > 0:
-        raise ConfigError(
-            f"parallel.cp={cp} with train.mtp_loss_weight > 0 is not supported (the MTP head's targets "
-            "are two tokens ahead, across the slice's edge)"
-        )
     text = model.config
     ratio = text.indexer_compress_ratio if text.qsa_enabled else 1
     return context_group(ctx.rank, ctx.world_size, cp, ratio)

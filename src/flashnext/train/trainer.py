@@ -117,7 +117,8 @@ class Trainer:
         ranks they count every micro-batch of the step once (a CP rank counts its slice, and 1/cp of the FLOPs)."""
         if isinstance(b, ContextBatch):
             share = self.cost_fn(b.source.lengths) / self.cp.size
-            return int((b.targets != IGNORE_INDEX).sum()), b.real_tokens, share, 0
+            mtp = b.num_mtp_targets if self.cfg.train.mtp_loss_weight else 0
+            return int((b.targets != IGNORE_INDEX).sum()), b.real_tokens, share, mtp
         mtp = count_mtp_tokens(b.labels, b.cu_seqlens) if self.cfg.train.mtp_loss_weight else 0
         return count_label_tokens(b.labels, b.cu_seqlens), b.num_tokens, self.cost_fn(b.lengths), mtp
 
