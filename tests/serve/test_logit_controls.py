@@ -249,6 +249,21 @@ def test_min_tokens_blocks_eos_and_stop_ids(tiny):
     assert len(stop_id.token_ids) == 5 and stop_id.token_ids[4] == 11 and stop_id.finish_reason == "stop"
 
 
+def test_a_bf16_engine_takes_the_controls():
+    """bf16 logits are controlled in fp32 (the unit test above holds the values): the penalties cut the greedy
+    loop's repeats, +100 forces a token, min_tokens holds EOS back."""
+    model, tok, _ = load_for_serving(None, dtype=torch.bfloat16)
+    engine = Engine(model, tok, max_slots=4, max_model_len=128)
+    eos = tok.eos_token_id
+    none, pen, forced, held = engine.generate([PROMPT] * 4, [
+        _greedy(), _greedy(frequency_penalty=0.5, presence_penalty=0.5), _greedy(logit_bias={7: 100.0}),
+        SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=3),
+    ])  # fmt: skip
+    repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
+    assert repeats(pen.token_ids) < repeats(none.token_ids)
+    assert forced.token_ids == [7] * 60 and held.token_ids[3:] == [eos] and eos not in held.token_ids[:3]
+
+
 MIXED = [_greedy(frequency_penalty=0.5), _greedy(), _greedy(presence_penalty=1.0, repetition_penalty=1.3),
          _greedy(logit_bias={7: 3.0, 8: -2.0}, min_tokens=10, frequency_penalty=-0.3)]  # fmt: skip
 
