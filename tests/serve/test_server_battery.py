@@ -193,15 +193,16 @@ REFUSALS = [
     C(CMPL, _raw(model=M, prompt='"x"', n=9), 400, ["n=9", "max_slots=8"], "n", id="n-over-slots"),
     C(CMPL, _raw(model=M, prompt='"x"', max_tokens=0), 400, ["max_tokens", "allowed with echo"], "max_tokens",
       id="max-tokens-0-without-echo"),  # fmt: skip
-    C(CMPL, _raw(model=M, prompt='"x"', logit_bias='{"5": 10}'), 400, ["logit_bias"], "logit_bias", id="logit_bias"),
-    C(
-        CMPL,
-        _raw(model=M, prompt='"x"', presence_penalty=0.5),
-        400,
-        ["presence_penalty=0.5"],
-        "presence_penalty",
-        id="presence_penalty",
-    ),  # fmt: skip
+    C(CMPL, _raw(model=M, prompt='"x"', logit_bias='{"5": 101}'), 400, ["logit_bias[5]", "[-100, 100]", "101"],
+      "logit_bias", id="logit_bias-101"),  # fmt: skip
+    C(CMPL, _raw(model=M, prompt='"x"', logit_bias='{"five": 1}'), 400, ["logit_bias", "'five'"], "logit_bias",
+      id="logit_bias-key-not-an-id"),  # fmt: skip
+    C(CMPL, _raw(model=M, prompt='"x"', presence_penalty=2.5), 400, ["presence_penalty", "[-2, 2]", "2.5"],
+      "presence_penalty", id="presence_penalty-2.5"),  # fmt: skip
+    C(CMPL, _raw(model=M, prompt='"x"', frequency_penalty="NaN"), 400, ["frequency_penalty", "nan"],
+      "frequency_penalty", id="frequency_penalty-NaN"),  # fmt: skip
+    C(CHAT, _raw(model=M, messages=USER, repetition_penalty=0), 400, ["repetition_penalty", "> 0"],
+      "repetition_penalty", id="chat-repetition_penalty-0"),  # fmt: skip
     C(
         CMPL,
         _raw(model=M, prompt='"' + "a" * 40_000 + '"'),

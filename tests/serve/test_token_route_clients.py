@@ -168,10 +168,10 @@ def test_flashnext_shape_unchanged_without_logprobs(server):
 @pytest.mark.parametrize(
     ("patch", "param"),
     [
-        ({"sampling_params": {"repetition_penalty": 1.1}}, "sampling_params.repetition_penalty"),
-        ({"sampling_params": {"min_tokens": 2}}, "sampling_params.min_tokens"),
-        ({"sampling_params": {"min_p": 0.05}}, "sampling_params.min_p"),
-        ({"sampling_params": {"presence_penalty": 0.5}}, "sampling_params.presence_penalty"),
+        ({"sampling_params": {"repetition_penalty": -1.1}}, "sampling_params.repetition_penalty"),
+        ({"sampling_params": {"min_tokens": -2}}, "sampling_params.min_tokens"),
+        ({"sampling_params": {"min_p": 1.05}}, "sampling_params.min_p"),
+        ({"sampling_params": {"presence_penalty": 2.5}}, "sampling_params.presence_penalty"),
         ({"sampling_params": {"reasoning_effort": "high"}}, "sampling_params.reasoning_effort"),
         ({"sampling_params": {"routed_experts_prompt_start": 99}}, "sampling_params.routed_experts_prompt_start"),
         ({"priority": 3}, "priority"),

@@ -138,6 +138,8 @@ class Engine:
         self.num_speculative_tokens = k
         has_mtp = model.mtp is not None
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
+        if self.speculator is not None:
+            self.speculator.controls = self.sampler.controls  # one table of token counts per request
         graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
         self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)

@@ -15,6 +15,7 @@ import torch
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.serve.loading import max_token_bytes
+from flashnext.serve.logit_controls import check_token_ids
 from flashnext.serve.request import Request
 from flashnext.serve.sampling import (
     MAX_SPECULATIVE_TOKENS,
@@ -64,6 +65,7 @@ class Intake:
             raise FieldError(f"n={params.n} exceeds max_slots={self.max_slots} (the choices run at once)", "n")
         ids = self.encode(prompt)
         check_prompt(ids, params, self.max_model_len, self.model.config.vocab_size, length_field)
+        check_token_ids(params, self.model.config.vocab_size)  # logit_bias ids
         if params.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer")
         spec_k = self.speculative_default if params.num_speculative_tokens is None else params.num_speculative_tokens

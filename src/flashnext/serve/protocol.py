@@ -1,7 +1,7 @@
 """OpenAI API request bodies (the subset served), their checks, and OpenAI-style error bodies.
 
 Nothing a client sends is silently dropped when it would change the answer: OpenAI parameters this server does
-not implement (penalties, `logit_bias`, `best_of`, `suffix`, tools, a non-text `response_format`) are
+not implement (`best_of`, `suffix`, tools, a non-text `response_format`) are
 refused with a 400 naming them unless they hold their neutral default, and so is an unknown chat content part.
 Unknown extra fields (`user`, `metadata`, ...) are ignored: they do not change generation.
 """
@@ -55,6 +55,13 @@ class _Body(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    """Token id (a JSON key, so a string) -> bias in [-100, 100]; penalties and controls: `serve.logit_controls`."""
+    repetition_penalty: float = 1.0
+    """Extension (vLLM): > 0; divides positive and multiplies negative logits of prompt and output tokens."""
+    min_tokens: int = 0
+    """Extension (vLLM): EOS and stop ids are blocked until this many tokens are generated."""
+    min_p: float = 0.0
+    """Extension (vLLM): drop tokens less likely than min_p times the most likely one."""
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -62,9 +69,6 @@ class _Body(BaseModel):
     def refuse_unsupported(self) -> None:
         """`BadRequest` for an OpenAI parameter this server would otherwise ignore."""
         unsupported = {
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
             "tools": bool(self.tools),
             "functions": bool(self.functions),
             "response_format": self.response_format is not None and self.response_format.get("type") != "text",
@@ -101,9 +105,26 @@ class _Body(BaseModel):
             logprobs=logprobs,
             n=self.n,
             prompt_logprobs=prompt_logprobs,
+            **controls_fields(self),
         )
         params.validate()
         return params
+
+
+def controls_fields(body) -> dict:
+    """The penalties and logit controls of a body for `SamplingParams` (`logit_bias` keys as int token ids;
+    `BadRequest` naming `logit_bias` for a key that is not one)."""
+    bias = None
+    if body.logit_bias is not None:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except (TypeError, ValueError):
+                msg = f"logit_bias keys must be token ids (integers), got {show(key)}"
+                raise BadRequest(msg, "logit_bias") from None
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p")
+    return {"logit_bias": bias, **{name: getattr(body, name) for name in names}}
 
 
 class CompletionRequest(_Body):

@@ -12,12 +12,12 @@ do not return:
 `logprobs` in a choice: without `sampling_params.logprobs` (flashnext's own client), the sampled tokens' log-probs as
 a list of floats; with `logprobs: N` (vLLM's token route, which verifiers' training client calls with `logprobs: 1`),
 vLLM's object `{"content": [{"token": "token_id:ID", "logprob", "bytes": null, "top_logprobs": [N entries]}]}`.
-`text` is the completion decoded with `skip_special_tokens` (null on a server without a tokenizer). The vLLM fields
-flashnext has no machinery for (`min_tokens`, `min_p`, the penalties, `priority`) are accepted at their defaults
-only and refused (400 naming the field) otherwise; `reasoning_effort` is refused (it shapes a chat template, and the
-prompt here is already token ids); unknown fields are refused. `cache_salt` is accepted: no prompt state is shared
-between requests here, so every request is already isolated. A choice that fails makes the answer a 5xx error body,
-as on the OpenAI routes.
+`text` is the completion decoded with `skip_special_tokens` (null on a server without a tokenizer). The penalties,
+`logit_bias`, `min_tokens` and `min_p` are honoured as on the OpenAI routes (`serve.logit_controls`; a bad value is
+a 400 naming `sampling_params.<field>`); `priority` is accepted at 0 only; `reasoning_effort` is refused (it shapes
+a chat template, and the prompt here is already token ids); unknown fields are refused. `cache_salt` is accepted:
+no prompt state is shared between requests here, so every request is already isolated. A choice that fails makes
+the answer a 5xx error body, as on the OpenAI routes.
 
 Weight updates (`--admin-key KEY`; without it these routes answer 404; a wrong key 401; a malformed body or query
 400), see `rl/weights.py`. An update is all or nothing (`serve.weight_update.StagedUpdate`):
@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.errors import FlashNextError
 from flashnext.serve.handlers import Stream, error_response, off_loop
+from flashnext.serve.protocol import controls_fields
 from flashnext.serve.sampling import FieldError, SamplingParams
 from flashnext.serve.weight_update import StagedUpdate
 
@@ -86,6 +87,7 @@ class TokenSampling(BaseModel):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise `FieldError` naming a field set to a value this server cannot honour."""
@@ -93,20 +95,19 @@ class TokenSampling(BaseModel):
             raise FieldError(f"sampling_params.reasoning_effort={self.reasoning_effort!r} shapes a chat template; "
                              "this route takes rendered token ids (render the effort into the prompt)",
                              "sampling_params.reasoning_effort")  # fmt: skip
-        for name, default in _DEFAULT_ONLY.items():
-            if (value := getattr(self, name)) != default:
-                raise FieldError(f"sampling_params.{name}={value!r} is not supported by this server (only "
-                                 f"{default!r})", f"sampling_params.{name}")  # fmt: skip
 
     def engine_params(self) -> SamplingParams:
+        """The engine's params, checked: `FieldError` naming `sampling_params.<field>`."""
         fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop_token_ids", "ignore_eos",
                   "logprobs_mode", "return_routed_experts")  # fmt: skip
-        # the sampled token's log-prob is always computed (flashnext's shape returns it unasked)
-        return SamplingParams(**{f: getattr(self, f) for f in fields}, logprobs=self.logprobs or 0)
-
-
-_DEFAULT_ONLY = {"min_tokens": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                 "frequency_penalty": 0.0}  # fmt: skip
+        try:
+            # the sampled token's log-prob is always computed (flashnext's shape returns it unasked)
+            params = SamplingParams(**{f: getattr(self, f) for f in fields}, logprobs=self.logprobs or 0,
+                                    **controls_fields(self))  # fmt: skip
+            params.validate()
+        except FieldError as e:
+            raise FieldError(f"sampling_params.{e}", e.field and f"sampling_params.{e.field}") from None
+        return params
 
 
 class TokenGenerateRequest(BaseModel):

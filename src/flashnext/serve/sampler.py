@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from flashnext.serve.logit_controls import LogitControls, reported_logprobs
 from flashnext.serve.request import Request
 from flashnext.serve.sampling import sample
 
@@ -29,17 +30,20 @@ class Sampler:
         self.tokenizer = tokenizer
         self.eos_id = eos_id
         self.max_model_len = max_model_len
+        self.controls = LogitControls(eos_id)  # penalties, logit_bias, min_tokens (the speculator's too)
 
-    @staticmethod
-    def sample(logits: torch.Tensor, reqs: list[Request]):
-        """Row i of `logits` sampled for `reqs[i]`: (tokens on the host, `FAILED` for a row that could not be
-        sampled; the chosen tokens' log-probs or None when no request asked; the top-n log-probs (`torch.topk`)
-        or None; {row: why it failed})."""
+    def sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Row i of `logits` sampled for `reqs[i]` (after its penalties and logit controls): (tokens on the host,
+        `FAILED` for a row that could not be sampled; the chosen tokens' log-probs or None when no request asked;
+        the top-n log-probs (`torch.topk`) or None; {row: why it failed})."""
         want = any(r.params.logprobs is not None for r in reqs)
         errors: dict[int, str] = {}
-        tokens, logprobs = sample(
-            logits, [r.params for r in reqs], [r.generator for r in reqs], with_logprobs=want, errors=errors
-        )
+        params = [r.params for r in reqs]
+        ctl = self.controls.apply(logits, reqs)
+        tokens, logprobs = sample(ctl, params, [r.generator for r in reqs], with_logprobs=want and ctl is logits,
+                                  errors=errors)  # fmt: skip
+        if want and ctl is not logits:
+            logprobs = reported_logprobs(logits, ctl, params)
         chosen = logprobs.gather(1, tokens.clamp_min(0)[:, None]).squeeze(1).tolist() if want else None
         tokens_host = tokens.tolist()
         top_n = max((r.params.logprobs or 0) for r in reqs)

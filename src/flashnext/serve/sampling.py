@@ -76,6 +76,12 @@ class SamplingParams:
         num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
             one step of the model (0 = off; None = the engine's default). The output distribution is the same
             either way (greedy: the same tokens, up to float rounding of near ties).
+        presence_penalty, frequency_penalty: in [-2, 2], subtracted once per generated token seen / per
+            occurrence (OpenAI's definition); repetition_penalty: > 0, divides positive and multiplies negative
+            logits of tokens in the prompt or output; logit_bias: {token id: [-100, 100]} added to the logits;
+            min_tokens: EOS and `stop_token_ids` are blocked until that many tokens are generated (stop strings
+            still apply); min_p: in [0, 1], drops tokens less likely than min_p times the most likely one (after
+            temperature). See `serve.logit_controls` for the order and exact formulas.
     """
 
     max_tokens: int = 16
@@ -92,6 +98,12 @@ class SamplingParams:
     return_routed_experts: bool = False
     num_speculative_tokens: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +151,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise FieldError(f"stop[{i}] must be a non-empty string, got {s!r}", f"stop[{i}]")
             check_text(s, f"stop[{i}]")
+        from flashnext.serve.logit_controls import check_params  # that module builds on this one
+
+        check_params(self)
 
 
 def _is_int(x) -> bool:
@@ -238,13 +253,15 @@ def _sample_row(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen
 
 
 def target_probs(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The weights fp32 [V] a non-greedy row [V] samples from: temperature, then top-k, then top-p (what
+    """The weights fp32 [V] a non-greedy row [V] samples from: temperature, then top-k, min-p, top-p (what
     speculative verification accepts drafts against; they sum to 1 unless top-p dropped tokens, so normalise
     before reading one as a probability). `row_max`: the row's maximum (a 0-d tensor)."""
     scaled = (row - row_max).nan_to_num_(nan=0.0) / min(p.temperature, _FP32_MAX)
     if 0 < p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]  # on the raw logits: scaling keeps the order
         scaled = scaled.masked_fill(row < kth, float("-inf"))
+    if p.min_p > 0:  # p[t] < min_p * p_max, in logit space (the maximum's scaled logit is 0): renormalised after
+        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)

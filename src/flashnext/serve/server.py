@@ -255,7 +255,8 @@ class Routes:
             body.refuse_unsupported()
             messages = body.template_messages(urls)
             max_tokens = body.completion_limit()
-            params = body.sampling(max_tokens or 1, body.logprobs_setting(), end_of_turn_ids(self.tok))
+            limit = max_tokens or max(1, body.min_tokens)  # no limit: up to the context, set when queued
+            params = body.sampling(limit, body.logprobs_setting(), end_of_turn_ids(self.tok))
         except FlashNextError as e:
             return _bad(e)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

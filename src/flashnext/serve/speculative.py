@@ -6,6 +6,8 @@ request's known tokens not yet in the cache and then its drafts as one entry, an
 the last known token and of every draft (`SpecForward`), so one step verifies 1 + d positions (`verify`):
 - greedy: drafts are accepted while each equals the target's argmax at the position before it; the next token is
   the target's argmax after the last accepted one (a bonus token when all d are accepted);
+- penalties and logit controls (`serve.logit_controls`) apply to each position's row as if the drafts before it
+  had been generated, so the target at position k is the one a plain step would have there;
 - sampled: the drafts are the head's argmax (a point mass q = one-hot(d)), so draft j is accepted with
   probability p(d_j) under the target's sampling distribution p at its position (temperature, top-k, top-p); at
   the first rejection the token is drawn from p with d_j removed (renormalised); after d acceptances a bonus token
@@ -41,8 +43,9 @@ import torch
 
 from flashnext.model.state import make_step
 from flashnext.serve.cache import Snapshot, StateCache
+from flashnext.serve.logit_controls import LogitControls, reported_logprobs
 from flashnext.serve.request import Request
-from flashnext.serve.sampling import mode_logprobs, target_probs
+from flashnext.serve.sampling import target_probs
 from flashnext.serve.stats import EngineStats
 
 log = logging.getLogger("flashnext.serve")
@@ -98,6 +101,7 @@ class Speculator:
 
     def __init__(self, model, cache: StateCache, max_model_len: int, stats: EngineStats):
         self.model, self.cache, self.max_model_len, self.stats = model, cache, max_model_len, stats
+        self.controls = LogitControls(None)  # the engine shares its sampler's (penalties per draft position)
         self.device = next(model.parameters()).device
 
     # ---- the verify step ------------------------------------------------------------------------------
@@ -132,6 +136,7 @@ class Speculator:
         rows = out.logits[out.first_row[i] : out.first_row[i] + d + 1].float()
         if not bool(torch.isfinite(rows).all()):
             return None
+        raw, rows = rows, self.controls.apply(rows, [req] * (d + 1), [req.drafts[:j] for j in range(d + 1)])
         maxes, argmax = rows.max(-1)
         if req.params.greedy:
             best = argmax.tolist()
@@ -141,7 +146,8 @@ class Speculator:
             tokens, accepted = self._accept_sampled(rows, maxes, req)
         verdict = Verdict(tokens, accepted)
         if req.params.logprobs is not None:
-            lp = mode_logprobs(rows[: len(tokens)], [req.params] * len(tokens))  # raw or processed, as asked
+            src = raw[: len(tokens)]  # raw or processed (the controlled rows), as asked
+            lp = reported_logprobs(src, src if rows is raw else rows[: len(tokens)], [req.params] * len(tokens))
             verdict.chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
             if req.params.logprobs:
                 verdict.top = torch.topk(lp, req.params.logprobs, dim=-1)
