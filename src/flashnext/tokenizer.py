@@ -50,9 +50,10 @@ CHATML_TEMPLATE = (
 # its think block; off: only those after the last user query), `reasoning_effort` (xhigh (default) | medium | low,
 # anything else raises). Past assistant turns always start with a think block, and nothing earlier is rewritten
 # by a later turn, so rendering a prefix of a conversation gives a prefix of the tokens (`train.data` relies on it).
-QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-Flash-Next chat format: ChatML turns, tools listed in
-    the system turn (one JSON object per line inside <tools>), calls in the Qwen3-Coder XML dialect, tool results as
-    <tool_response> blocks in a user turn, a <think> block opened by the generation prompt unless thinking is off. -#}
+QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-Flash-Next chat format: ChatML turns,
+    tools listed in the system turn (one JSON object per line inside <tools>), calls in the Qwen3-Coder XML dialect,
+    tool results as <tool_response> blocks in a user turn, a <think> block opened by the generation prompt unless
+    thinking is off. -#}
 {%- if not messages %}
     {{- raise_exception('No messages provided.') }}
 {%- endif %}
@@ -60,7 +61,8 @@ QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-
 {%- if enable_thinking is not defined or enable_thinking is none or enable_thinking %}
     {%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort is not none else 'xhigh' %}
     {%- if effort not in ('xhigh', 'medium', 'low') %}
-        {{- raise_exception('Unexpected reasoning effort ' ~ effort ~ '; the supported ones are xhigh (default), medium and low.') }}
+        {{- raise_exception('Unexpected reasoning effort ' ~ effort
+                            ~ '; the supported ones are xhigh (default), medium and low.') }}
     {%- endif %}
     {%- if effort == 'xhigh' %}
         {%- set effort_line = 'Reasoning effort: xhigh.' %}
@@ -87,7 +89,9 @@ QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-
     {%- for tool in tools %}
         {{- '\n' + tool|tojson }}
     {%- endfor %}
-    {{- '\n</tools>\n\nTo call a function, answer with this block and nothing after it:\n\n<tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nvalue (may span lines)\n</parameter>\n</function>\n</tool_call>\n\nGive every required argument. Explain before a call, never after it.' }}
+    {{- '\n</tools>\n\nTo call a function, answer with this block and nothing after it:\n\n' }}
+    {{- '<tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nvalue (may span lines)\n</parameter>\n</function>\n' }}
+    {{- '</tool_call>\n\nGive every required argument. Explain before a call, never after it.' }}
     {%- if system %}
         {{- '\n\n' + system }}
     {%- endif %}
@@ -117,7 +121,8 @@ QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-
         {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
         {%- set reasoning = message.reasoning_content|trim if message.reasoning_content is string else '' %}
-        {%- if preserve_thinking is not defined or preserve_thinking is none or preserve_thinking or loop.index0 > ns.query %}
+        {%- if preserve_thinking is not defined or preserve_thinking is none or preserve_thinking
+               or loop.index0 > ns.query %}
             {{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content }}
         {%- else %}
             {{- '<|im_start|>assistant\n' + content }}
@@ -133,7 +138,8 @@ QWEN_TEMPLATE = r"""{#- flashnext's template for the tiny model, in the Qwen3.8-
                 {{- '<tool_call>\n<function=' + call.name + '>\n' }}
                 {%- if call.arguments is defined and call.arguments is not none %}
                     {%- for name, value in call.arguments|items %}
-                        {{- '<parameter=' + name + '>\n' + (value if value is string else value|tojson) + '\n</parameter>\n' }}
+                        {{- '<parameter=' + name + '>\n' + (value if value is string else value|tojson) }}
+                        {{- '\n</parameter>\n' }}
                     {%- endfor %}
                 {%- endif %}
                 {{- '</function>\n</tool_call>' }}

@@ -31,8 +31,10 @@ class Scripted:
         if "<tool_response>" in prompt:
             result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt)[-1]
             return self.tok.encode(f"\n</think>\n\nThe answer is {result}.") + [self.end]
-        call = (f"\n</think>\n\n<tool_call>\n<function=calculator>\n<parameter=a>\n{a}\n</parameter>\n"
-                f"<parameter=op>\n{op}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n</function>\n</tool_call>")
+        call = (
+            f"\n</think>\n\n<tool_call>\n<function=calculator>\n<parameter=a>\n{a}\n</parameter>\n"
+            f"<parameter=op>\n{op}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n</function>\n</tool_call>"
+        )
         head = "\n</think>\n\n<tool_call>"
         return [i for ch in head for i in self.tok.encode(ch)] + self.tok.encode(call[len(head) :]) + [self.end]
 
@@ -55,11 +57,14 @@ def test_respond_renders_the_tool_result_as_the_template_does():
     env = load_environment("calc", {})
     env.setup(tok, None)
     task = {"a": 6, "op": "*", "b": 7}
-    call = ("\n</think>\n\n<tool_call>\n<function=calculator>\n<parameter=a>\n6\n</parameter>\n<parameter=op>\n*\n"
-            "</parameter>\n<parameter=b>\n7\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    call = (
+        "\n</think>\n\n<tool_call>\n<function=calculator>\n<parameter=a>\n6\n</parameter>\n<parameter=op>\n*\n"
+        "</parameter>\n<parameter=b>\n7\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    )
     reply = env.respond(task, [call])
     assert tok.decode(reply, skip_special_tokens=False) == (
-        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n")
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
     assert env.respond(task, ["\n</think>\n\n42<|im_end|>"]) is None
     assert env.respond(task, [call, call]) is None  # max_turns = 2
     assert env.score(task, call + "<tool_response>\n42\n</tool_response>\n</think>\n\nIt is 42.").reward == 1.0

@@ -47,7 +47,8 @@ def test_tasks_splits_and_prompt(env):
     task = env.task("train", 0)
     answer = env.tasks[task["index"]].data.answer
     turns = [("system", "Reasoning effort: xhigh.\n\nOne word."), ("user", f"Say {answer}.")]
-    want = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns) + "<|im_start|>assistant\n<think>\n"
+    want = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns)
+    want += "<|im_start|>assistant\n<think>\n"
     assert env.prompt(task).ids == env.tokenizer.encode(want)
 
 

@@ -41,8 +41,8 @@ CASES = [
      "", "Checking.", [("get_weather", {"city": "Paris"})]),
     ("two-calls", False, "xml", xml_call("get_weather", city="Paris") + "\n" + xml_call("get_weather", city="Rome"),
      "", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
-    ("missing-end-tool-call", False, "xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
-     "</function>", "", "", [("get_weather", {"city": "Oslo"})]),
+    ("missing-end-tool-call", False, "xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+     "</parameter>\n</function>", "", "", [("get_weather", {"city": "Oslo"})]),
     ("missing-end-function-and-call", False, "xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
      "</parameter>\n", "", "", [("get_weather", {"city": "Oslo"})]),
     ("missing-end-parameter", False, "xml", "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n2\n"
@@ -126,7 +126,9 @@ def test_dialect_quirks(case):
 def test_every_prefix_parse_is_a_prefix_of_the_whole():
     """The streaming invariant itself: a field of any prefix's parse never needs to be taken back."""
     parser = OutputParser(True, True, "xml", TOOLS)
-    text = "a b\n</think>\n\nI'll call.\n" + xml_call("add", a="1", note="x\ny") + "\n" + xml_call("get_weather", city="Z")
+    text = (
+        "a b\n</think>\n\nI'll call.\n" + xml_call("add", a="1", note="x\ny") + "\n" + xml_call("get_weather", city="Z")
+    )
     whole = parser.parse(text, final=True)
     for cut in range(len(text) + 1):
         part = parser.parse(text[:cut], final=False)

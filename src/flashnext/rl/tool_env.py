@@ -111,7 +111,7 @@ def _loads(text: str) -> dict:
 
 
 class CalcEnv(ToolEnvironment):
-    """"What is a op b?" with a calculator tool; reward 1 for the exact number in the final answer."""
+    """ "What is a op b?" with a calculator tool; reward 1 for the exact number in the final answer."""
 
     name = "calc"
     tools = [CALCULATOR]
