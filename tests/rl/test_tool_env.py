@@ -26,8 +26,9 @@ class Scripted:
         self.ids, self.turns = {}, []
         engine.sampler.sample = self
 
-    def script(self, prompt: str) -> list[int]:
+    def script(self, prompt: str, index: int = 0) -> list[int]:
         a, op, b = re.search(r"What is (\d+) (\S) (\d+)\?", prompt).groups()
+        b = str(int(b) + index % 2)  # odd choices call with a wrong argument: their answer is wrong
         if "<tool_response>" in prompt:
             result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt)[-1]
             return self.tok.encode(f"\n</think>\n\nThe answer is {result}.") + [self.end]
@@ -42,7 +43,8 @@ class Scripted:
         tokens, chosen, top, errors = self.sample(logits, reqs)
         for i, req in enumerate(reqs):
             if id(req) not in self.ids:
-                self.ids[id(req)] = self.script(self.tok.decode(req.prompt_ids, skip_special_tokens=False))
+                prompt = self.tok.decode(req.prompt_ids, skip_special_tokens=False)
+                self.ids[id(req)] = self.script(prompt, req.index)
                 self.turns.append(self.ids[id(req)])
             script = self.ids[id(req)]
             tokens[i] = script[min(len(req.output_ids), len(script) - 1)]
@@ -113,3 +115,34 @@ def test_environment_ids_are_out_of_the_loss(run):
     assert labels == [t if m else -100 for t, m in zip(s.completion_ids, s.loss_mask, strict=True)]
     assert all((a == 0) == (m == 0) for a, m in zip(b.advantages.tolist()[P:], s.loss_mask, strict=True)) or \
         s.advantage == 0  # fmt: skip
+
+
+@pytest.mark.slow  # ~1-2 min: two RL steps of calc episodes through a server
+def test_flashnext_rl_runs_calc_episodes_through_a_server(tmp_path, monkeypatch):
+    """`flashnext rl`'s trainer with `env.name = "calc"` and `--inference-url`: the episodes' turns go through the
+    token-in route, the scripted calls reach the environment's calculator, and the steps train."""
+    import torch
+    from test_rl_remote import KEY, _args, _checkpoint  # (it puts tests/serve on sys.path)
+
+    from serve_helpers import running_server
+
+    from flashnext.build import from_pretrained
+    from flashnext.rl.config import load_rl_config
+    from flashnext.rl.loop import RLTrainer
+    from flashnext.serve.server import build_app
+    from flashnext.tokenizer import load_tokenizer
+
+    torch.set_num_threads(2)
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    engine = Engine(from_pretrained(ckpt), load_tokenizer(), 4, 1024, 256)
+    Scripted(engine)
+    monkeypatch.setenv("FLASHNEXT_ADMIN_KEY", KEY)
+    more = {"env.name": "calc", "env.max_tokens": 200, "orchestrator.batch_size": 1, "orchestrator.group_size": 2,
+            "orchestrator.eval_tasks": 1}  # fmt: skip
+    with running_server(build_app(engine, "ckpt", admin_key=KEY, log_every=1e9)) as url:
+        trainer = RLTrainer(load_rl_config(None, _args(tmp_path, ckpt, url, **more)), say=lambda *a: None)
+        history = trainer.run()
+    steps = [m for m in history if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["reward/tool_calls"] == 1.0 and m["reward/mean"] == 0.5 for m in steps)  # choice 1 of 2 is right
+    assert engine.weight_version == 2

@@ -117,7 +117,7 @@ class CalcEnv(ToolEnvironment):
     tools = [CALCULATOR]
 
     def __init__(self, max_value: int = 50, **kw):
-        kw.setdefault("max_tokens", 64)
+        kw.setdefault("max_tokens", 192)  # a call in the tiny vocabulary is ~130 tokens
         super().__init__(**kw)
         self.max_value = max_value
 
