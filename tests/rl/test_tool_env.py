@@ -121,9 +121,8 @@ def test_environment_ids_are_out_of_the_loss(run):
 def test_flashnext_rl_runs_calc_episodes_through_a_server(tmp_path, monkeypatch):
     """`flashnext rl`'s trainer with `env.name = "calc"` and `--inference-url`: the episodes' turns go through the
     token-in route, the scripted calls reach the environment's calculator, and the steps train."""
+    import test_rl_remote as remote  # (it puts tests/serve on sys.path)
     import torch
-    from test_rl_remote import KEY, _args, _checkpoint  # (it puts tests/serve on sys.path)
-
     from serve_helpers import running_server
 
     from flashnext.build import from_pretrained
@@ -133,14 +132,14 @@ def test_flashnext_rl_runs_calc_episodes_through_a_server(tmp_path, monkeypatch)
     from flashnext.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
-    ckpt = _checkpoint(tmp_path / "ckpt")
+    ckpt = remote._checkpoint(tmp_path / "ckpt")
     engine = Engine(from_pretrained(ckpt), load_tokenizer(), 4, 1024, 256)
     Scripted(engine)
-    monkeypatch.setenv("FLASHNEXT_ADMIN_KEY", KEY)
+    monkeypatch.setenv("FLASHNEXT_ADMIN_KEY", remote.KEY)
     more = {"env.name": "calc", "env.max_tokens": 200, "orchestrator.batch_size": 1, "orchestrator.group_size": 2,
             "orchestrator.eval_tasks": 1}  # fmt: skip
-    with running_server(build_app(engine, "ckpt", admin_key=KEY, log_every=1e9)) as url:
-        trainer = RLTrainer(load_rl_config(None, _args(tmp_path, ckpt, url, **more)), say=lambda *a: None)
+    with running_server(build_app(engine, "ckpt", admin_key=remote.KEY, log_every=1e9)) as url:
+        trainer = RLTrainer(load_rl_config(None, remote._args(tmp_path, ckpt, url, **more)), say=lambda *a: None)
         history = trainer.run()
     steps = [m for m in history if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
