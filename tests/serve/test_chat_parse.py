@@ -170,3 +170,18 @@ def test_inactive_parser_leaves_the_text_alone():
     assert message(parser, "  <think>x</think> y ")[0] == {"role": "assistant", "content": "  <think>x</think> y "}
     state = StreamState(parser)
     assert state.deltas(" a", False) + state.deltas(" a b ", True) == [{"content": " a"}, {"content": " b "}]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    from flashnext.serve.chat_render import chat_prompt
+    from flashnext.serve.protocol import ChatRequest
+
+    text = xml_call("get_weather", city="Paris") + "\n" + xml_call("get_weather", city="Rome")
+    for parallel, want in ((None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])):
+        body = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                           parallel_tool_calls=parallel)  # fmt: skip
+        parser = chat_prompt(body, []).parser("<|im_start|>assistant\n<think>\n\n</think>\n\n", True, "xml")
+        msg, _ = message(parser, text)
+        assert [json.loads(c["function"]["arguments"])["city"] for c in msg["tool_calls"]] == want
+        streamed = _join(_streamed(parser, text, list(range(1, len(text)))))[2]
+        assert [json.loads(c["arguments"])["city"] for c in streamed] == want

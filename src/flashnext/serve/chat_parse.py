@@ -160,12 +160,17 @@ class OutputParser:
         think_open: the prompt ends inside a think block (`think_open(prompt)`).
         dialect: "xml", "hermes" or None (no tool calls parsed: `tool_choice: "none"`, no tools).
         tools: the request's tools (OpenAI objects); their `parameters` schemas convert XML values.
+        max_calls: keep at most this many calls (`parallel_tool_calls: false`: 1); None: all.
     """
 
-    def __init__(self, reasoning: bool, think_open: bool, dialect: str | None, tools: list | None = None):
+    def __init__(
+        self, reasoning: bool, think_open: bool, dialect: str | None, tools: list | None = None,
+        max_calls: int | None = None,
+    ):  # fmt: skip
         if dialect not in (None, *DIALECTS):
             raise ValueError(f"tool-call dialect {dialect!r} is not one of {DIALECTS}")
         self.reasoning, self.think_open, self.dialect = reasoning, reasoning and think_open, dialect
+        self.max_calls = max_calls
         self.schemas: dict[str, dict] = {}
         for tool in tools or []:
             fn = tool.get("function", tool) if isinstance(tool, dict) else {}
@@ -220,7 +225,7 @@ class OutputParser:
     # -------------------------------------------------------------------------------------------- dialects
     def _calls(self, text: str, final: bool) -> list[Call]:
         calls, pos = [], 0
-        while True:
+        while self.max_calls is None or len(calls) < self.max_calls:
             while pos < len(text) and text[pos].isspace():
                 pos += 1
             if not (text.startswith(CALL, pos) or (self.dialect == "xml" and text.startswith(FUNC, pos))):
@@ -231,6 +236,7 @@ class OutputParser:
             calls.append(call)
             if not call.closed:
                 return calls
+        return calls
 
     def _xml(self, text: str, pos: int, final: bool) -> tuple[Call | None, int]:
         if text.startswith(CALL, pos):

@@ -9,7 +9,8 @@ onto the template's values (`OPENAI_EFFORTS`: none / minimal turn thinking off, 
 xhigh) unless `chat_template_kwargs` sets them. A template's `raise_exception` is a 400 carrying its message.
 
 `tool_choice`: auto (default with tools), none (tools still rendered, no calls parsed), required, or a named
-function, which must be one of `tools` (400 naming the field otherwise). Enforcing required / named calls is the
+function, which must be one of `tools` (400 naming the field otherwise). `parallel_tool_calls: false` keeps the
+answer's first call only. Enforcing required / named calls is the
 grammar's job; parsing works for any of them.
 
 Sampling defaults: a checkpoint's `generation_config.json` (`temperature`, `top_p`, `top_k`) replaces the server's
@@ -48,6 +49,7 @@ class ChatPrompt:
     variables: dict[str, Any] = field(default_factory=dict)  # template variables besides messages
     tools: list[dict] | None = None
     tool_choice: str | dict = "none"
+    parallel_tool_calls: bool = True
 
     def render(self, tok) -> str:
         """The rendered prompt text (generation prompt included); `BadRequest` for what the template refuses."""
@@ -62,7 +64,7 @@ class ChatPrompt:
         """The answer's parser: reasoning from the rendered `prompt`'s open think block, tool calls unless
         `tool_choice` is none or there are no tools."""
         calls = dialect if self.tools and self.tool_choice != "none" else None
-        return OutputParser(reasoning, think_open(prompt), calls, self.tools)
+        return OutputParser(reasoning, think_open(prompt), calls, self.tools, None if self.parallel_tool_calls else 1)
 
 
 def _arguments(value: Any, where: str) -> dict:
@@ -180,7 +182,7 @@ def chat_prompt(body, urls: list[str]) -> ChatPrompt:
     if tools:
         variables["tools"] = tools
         variables["tool_choice"] = choice
-    return ChatPrompt(messages, variables, tools, choice)
+    return ChatPrompt(messages, variables, tools, choice, body.parallel_tool_calls is not False)
 
 
 def generation_defaults(model_dir: str | Path | None) -> dict[str, Any]:
