@@ -134,3 +134,13 @@ def test_no_chat_template_is_a_clear_error(tok, tmp_path):
     (directory / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="chat_template"):
         load_tokenizer(directory).apply_chat_template(CHAT)
+
+
+def test_chat_template_jinja_file_is_the_template(tok, tmp_path):
+    """Checkpoints saved by newer transformers keep the template in `chat_template.jinja`: it is the one used."""
+    directory = tok.save(tmp_path / "tok")
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert (
+        load_tokenizer(directory).apply_chat_template(CHAT[:2], tokenize=False)
+        == "[system]Answer briefly.[user]What is 2 plus 3?"
+    )

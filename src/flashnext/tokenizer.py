@@ -28,6 +28,7 @@ from flashnext.errors import ConfigError, InputError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # the chat template as its own file (transformers >= 4.43 writes it so)
 
 PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)  # in id order: the bundled tokenizer puts them at 0..4
@@ -296,7 +297,8 @@ def _read(directory: Path | Traversable, name: str) -> str:
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Load a tokenizer directory (`tokenizer.json` + `tokenizer_config.json`, the Hugging Face layout).
+    """Load a tokenizer directory (`tokenizer.json` + `tokenizer_config.json`, the Hugging Face layout; a
+    `chat_template.jinja` beside them is the chat template, as transformers reads it).
 
     Args:
         path: the directory; `None` loads the bundled tokenizer of the tiny default model.
@@ -316,6 +318,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         config = json.loads(config_text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"cannot parse {directory.joinpath(CONFIG_FILE)}: {e}") from None
+    template = directory.joinpath(TEMPLATE_FILE)
+    if isinstance(config, dict) and template.is_file():  # newer checkpoints ship it beside the config; it wins
+        config["chat_template"] = template.read_text(encoding="utf-8")
     return Tokenizer(backend, config)
 
 

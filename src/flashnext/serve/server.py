@@ -192,7 +192,7 @@ class Routes:
         self.started = time.time()
         self.images: dict = {"model_dir": model_dir}  # the image processor, made on first use
         self.defaults = generation_defaults(model_dir)
-        template = (self.tok.config.get("chat_template") if self.tok is not None else None) or ""
+        template = (getattr(self.tok, "config", None) or {}).get("chat_template")
         template = template if isinstance(template, str) else ""
         self.dialect = {"auto": template_dialect(template), "qwen3_coder": "xml", "none": None}.get(
             tool_call_parser, tool_call_parser
