@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer with a ChatML chat template, stored in the Hugging Face file layout.
+"""Byte-level BPE tokenizer with a Jinja chat template, stored in the Hugging Face file layout.
 
 A tokenizer directory holds `tokenizer.json` (the `tokenizers` library's serialisation: vocab, merges,
 pre-tokenizer, decoder, added tokens) and `tokenizer_config.json` (special token strings and a Jinja
