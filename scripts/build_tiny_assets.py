@@ -13,7 +13,7 @@ Outputs (under `--out`):
   on small numbers, copy/reverse/count, facts from the tables below).
 - `tokenizer/tokenizer.json` + `tokenizer/tokenizer_config.json`: byte-level BPE with exactly `--vocab-size` ids
   (special tokens at 0..4, see `flashnext.tokenizer.SPECIAL_TOKENS`), trained on the corpus and the SFT texts,
-  with the ChatML chat template.
+  with the chat template (`flashnext.tokenizer.QWEN_TEMPLATE`: the Qwen3.8-Flash-Next format).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flashnext import tokenizer as fn_tokenizer
-from flashnext.tokenizer import BOS, CHATML_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
+from flashnext.tokenizer import BOS, EOS, PAD, QWEN_TEMPLATE, SPECIAL_TOKENS
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "flashnext" / "assets"
 SEED = 20261202
@@ -217,7 +217,7 @@ def tokenizer_config(model_max_length: int) -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": QWEN_TEMPLATE,
     }
 
 

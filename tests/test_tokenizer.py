@@ -1,4 +1,5 @@
-"""The bundled tokenizer and SFT set: ids fit the tiny config, ChatML rendering, HF-compatible files."""
+"""The bundled tokenizer and SFT set: ids fit the tiny config, chat rendering (the Qwen3.8 format), HF-compatible
+files."""
 
 import json
 from importlib import resources
@@ -24,12 +25,12 @@ CHAT = [
     {"role": "user", "content": "Reverse: cat dog"},
     {"role": "assistant", "content": "dog cat"},
 ]
-CHAT_TEXT = (
-    "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+CHAT_TEXT = (  # thinking on by default: the effort line, and every past assistant turn keeps its (empty) think block
+    "<|im_start|>system\nReasoning effort: xhigh.\n\nAnswer briefly.<|im_end|>\n"
     "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n"
-    "<|im_start|>assistant\n5.<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n5.<|im_end|>\n"
     "<|im_start|>user\nReverse: cat dog<|im_end|>\n"
-    "<|im_start|>assistant\ndog cat<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\ndog cat<|im_end|>\n"
 )
 
 
@@ -72,10 +73,10 @@ def test_bundled_text_ids_fit_the_vocab(tok, tiny_config):
     assert 0 <= min(ids) and max(ids) < tiny_config["vocab_size"]
 
 
-def test_chat_template_renders_chatml(tok):
+def test_chat_template_renders_the_qwen_format(tok):
     assert tok.apply_chat_template(CHAT, tokenize=False) == CHAT_TEXT
     prompt = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True, tokenize=False)
-    assert prompt == CHAT_TEXT.split("5.")[0] and prompt.endswith("<|im_start|>assistant\n")
+    assert prompt == CHAT_TEXT.split("\n</think>")[0] and prompt.endswith("<|im_start|>assistant\n<think>\n")
     ids = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True)
     assert ids == tok.encode(prompt)
     assert ids.count(3) == 3 and ids.count(4) == 2 and ids[-1] == tok.encode("\n")[0]
@@ -85,7 +86,8 @@ def test_bundled_sft_loads_with_loss_only_on_answers(tok):
     lines = bundled_sft_path().read_text(encoding="utf-8").splitlines()
     examples = load_jsonl(bundled_sft_path(), tok)
     assert len(examples) == len(lines) >= 2000
-    assert sum(len(ex) < 64 for ex in examples) > 0.9 * len(examples)
+    # short: chat records carry the template's system effort line and empty think blocks, hence the looser bound
+    assert sum(len(ex) < 96 for ex in examples) > 0.8 * len(examples) and max(map(len, examples)) < 160
     assert bundled_sft_path().stat().st_size < 1_000_000
     kinds = set()
     for line, ex in zip(lines, examples, strict=True):
@@ -95,7 +97,9 @@ def test_bundled_sft_loads_with_loss_only_on_answers(tok):
         if "messages" in rec:
             kinds.add("messages")
             answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
-            assert tok.decode(trained, skip_special_tokens=False) == "".join(a + "<|im_end|>\n" for a in answers)
+            # the generation prompt opened the think block: the model learns to close it (empty) and answer
+            want = "".join("\n</think>\n\n" + a + "<|im_end|>\n" for a in answers)
+            assert tok.decode(trained, skip_special_tokens=False) == want
         else:
             kinds.add("prompt")
             assert trained == tok.encode(rec["completion"]) + [tok.eos_token_id]
@@ -130,3 +134,13 @@ def test_no_chat_template_is_a_clear_error(tok, tmp_path):
     (directory / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="chat_template"):
         load_tokenizer(directory).apply_chat_template(CHAT)
+
+
+def test_chat_template_jinja_file_is_the_template(tok, tmp_path):
+    """Checkpoints saved by newer transformers keep the template in `chat_template.jinja`: it is the one used."""
+    directory = tok.save(tmp_path / "tok")
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert (
+        load_tokenizer(directory).apply_chat_template(CHAT[:2], tokenize=False)
+        == "[system]Answer briefly.[user]What is 2 plus 3?"
+    )

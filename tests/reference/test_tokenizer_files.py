@@ -46,3 +46,33 @@ def test_transformers_reads_the_same_files(tok, tmp_path):
         ids = auto.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen)
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         assert list(ids) == tok.apply_chat_template(CHAT, add_generation_prompt=gen)
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <a> & 'b'", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+TOOL_CHAT = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "", "reasoning_content": "add them",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5"},
+    {"role": "assistant", "content": "5.", "reasoning_content": "done"},
+    {"role": "user", "content": "And 2 plus 4?"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"enable_thinking": False}, {"preserve_thinking": False}, {"reasoning_effort": "low"}],
+    ids=["default", "thinking-off", "no-preserve", "effort-low"],
+)  # fmt: skip
+def test_transformers_renders_tools_and_thinking_the_same(tok, tmp_path, kwargs):
+    """Tools (the `tojson` of HF templates: keys in order, no HTML escaping), tool calls, tool results, reasoning and
+    the template variables render the same through transformers."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "tok"
+    shutil.copytree(resources.files("flashnext").joinpath("assets/tokenizer"), directory)
+    auto = transformers.AutoTokenizer.from_pretrained(str(directory))
+    ours = tok.apply_chat_template(TOOL_CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
+    theirs = auto.apply_chat_template(TOOL_CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert ours == theirs
+    assert '"description": "Add <a> & \'b\'"' in ours  # not escaped

@@ -46,8 +46,9 @@ def test_tasks_splits_and_prompt(env):
     assert env.task("train", 7) == env.task("train", 7)
     task = env.task("train", 0)
     answer = env.tasks[task["index"]].data.answer
-    turns = [("system", "One word."), ("user", f"Say {answer}.")]
-    want = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns) + "<|im_start|>assistant\n"
+    turns = [("system", "Reasoning effort: xhigh.\n\nOne word."), ("user", f"Say {answer}.")]
+    want = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns)
+    want += "<|im_start|>assistant\n<think>\n"
     assert env.prompt(task).ids == env.tokenizer.encode(want)
 
 

@@ -71,11 +71,14 @@ def test_chat_and_streaming(server, client):
     assert full.choices[0].message.role == "assistant"
     assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
     stream = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0, stream=True)
-    text, reasons = "", []
+    text, reasoning, reasons = "", "", []
     for chunk in stream:
         text += chunk.choices[0].delta.content or ""
+        reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning") or ""
         reasons.append(chunk.choices[0].finish_reason)
     assert text == full.choices[0].message.content
+    # thinking is on by default (the template opens a think block): the answer so far is reasoning
+    assert reasoning == (full.choices[0].message.model_extra["reasoning"] or "")
     assert reasons[-1] in ("stop", "length")
     stream = client.completions.create(model=name, prompt="Hello world", max_tokens=6, temperature=0, stream=True)
     chunks = list(stream)

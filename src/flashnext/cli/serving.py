@@ -145,6 +145,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the model id clients send and /v1/models lists (default: the --model dir's name, or flashnext-tiny)",
     )
     p.add_argument(
+        "--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "xml", "hermes", "none"),
+        help="how chat answers' tool calls are read: the Qwen3-Coder XML dialect (qwen3_coder = xml), Hermes JSON, "
+        "none, or auto: the dialect the chat template shows (default auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"),
+        help="split think blocks into `reasoning`: qwen3, none, or auto: when the chat template has them (default)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -192,7 +201,8 @@ def _serve_app(args: argparse.Namespace):
     name = args.served_model_name or name
     admin_key = args.admin_key if args.admin_key is not None else os.environ.get("FLASHNEXT_ADMIN_KEY") or None
     app = build_app(
-        engine, name, args.api_key, model_dir=args.model, max_request_bytes=args.max_request_bytes, admin_key=admin_key
+        engine, name, args.api_key, model_dir=args.model, max_request_bytes=args.max_request_bytes, admin_key=admin_key,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     return app, name, engine
 

@@ -10,6 +10,8 @@ Built in (no downloads):
   `difflib.SequenceMatcher` ratio of the answer and the reversed list (partial credit, as verifiers' reverse-text);
 - `arith`: the sum or difference of two small integers; reward 1 for the exact number;
 - `color`: a solid-colour image (composite model: through the engine and the vision tower), answer its colour name.
+- `calc`: multi-turn with a calculator tool (`rl/tool_env.py`): the model calls it, the result comes back as the
+  chat template renders a tool result, the final answer is scored.
 The prompts use the bundled SFT set's `Q: ...\\nA:` format, so a model warm-started on it answers in the expected
 shape. A user's environment is any subclass named `module:Class` in the run config (`env.name`), built with
 `env.args` as keyword arguments; `verifiers:NAME` is an installed verifiers taskset (`rl/verifiers_env.py`).
@@ -42,6 +44,7 @@ from flashnext.rl.environment import (  # the base types, importable from here a
     make_prompt,
     score_completion,
 )
+from flashnext.rl.tool_env import CalcEnv
 
 __all__ = [
     "BUILTIN", "ArithEnv", "ColorEnv", "EnvError", "Environment", "Prompt", "ReverseEnv", "Score", "get_task",
@@ -156,7 +159,7 @@ class ColorEnv(Environment):
         return Score(float(answer == task["color"]))
 
 
-BUILTIN = {cls.name: cls for cls in (ReverseEnv, ArithEnv, ColorEnv)}
+BUILTIN = {cls.name: cls for cls in (ReverseEnv, ArithEnv, ColorEnv, CalcEnv)}
 
 
 def load_environment(name: str, args: dict[str, Any] | None = None, **common) -> Environment:

@@ -60,6 +60,7 @@ class Choice:
     routed: torch.Tensor | None = None
     weight_version: int = 0
     error: str | None = None
+    loss_mask: list[int] | None = None  # multi-turn (rl/tool_env.py): 0 on the environment's ids between turns
 
 
 class LocalInference:

@@ -25,9 +25,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
-from flashnext.rl.envs import Environment, Score, get_task, make_prompt, score_completion
+from flashnext.rl.envs import Environment, Prompt, Score, get_task, make_prompt, score_completion
 from flashnext.rl.inference import GenRequest, SamplingSpec
 from flashnext.rl.rollouts import Sample, assign_advantages
+from flashnext.rl.tool_env import ToolEnvironment, respond
 from flashnext.serve.sampling import choice_seed
 
 _FAILED = ("error", "abort")
@@ -84,11 +85,48 @@ class Orchestrator:
         return choice_seed(choice_seed(self.seed, step + 1), i + 1)
 
     def _sample(self, split: str, indices: list[int], n: int, spec: SamplingSpec, step: int):
-        """[(task, [Choice])] for the tasks of `split` at `indices`, n completions each."""
+        """[(task, [Choice])] for the tasks of `split` at `indices`, n completions each (every turn of a
+        multi-turn environment's episode: `_more_turns`)."""
         tasks = [get_task(self.env, split, i) for i in indices]
         prompts = [make_prompt(self.env, split, i, t) for i, t in zip(indices, tasks, strict=True)]
         reqs = [GenRequest(p, n, self.prompt_seed(step, j)) for j, p in enumerate(prompts)]
-        return tasks, reqs, self.client.generate(reqs, spec)
+        if not isinstance(self.env, ToolEnvironment):
+            return tasks, reqs, self.client.generate(reqs, spec)
+        spec = SamplingSpec(spec.max_tokens, spec.temperature, spec.stop_token_ids + self.env.turn_stop_ids(),
+                            spec.routed_experts)  # fmt: skip
+        results = self.client.generate(reqs, spec)
+        self._more_turns(split, indices, tasks, reqs, results, spec)
+        return tasks, reqs, results
+
+    def _more_turns(self, split, indices, tasks, reqs, results, spec: SamplingSpec) -> None:
+        """Continue each episode while the environment responds: the next turn is sampled from the prompt, every
+        id sampled so far and the environment's ids (its own seed, from the prompt's and the turn); the choice
+        grows in place (`loss_mask` 0 on the environment's ids; routed experts of the last request, which cover
+        the whole sequence)."""
+        live = [(g, k, c, [c.token_ids]) for g, choices in enumerate(results) for k, c in enumerate(choices)]
+        stops = set(self.env.turn_stop_ids())
+        for turn in range(1, self.env.max_turns):
+            todo = []
+            for g, k, c, turns in live:
+                if c.finish_reason != "stop" or not c.token_ids or c.token_ids[-1] not in stops:
+                    continue
+                texts = [self.env.tokenizer.decode(t, skip_special_tokens=False) for t in turns]
+                reply = respond(self.env, split, indices[g], tasks[g], texts)
+                if reply:
+                    todo.append(((g, k, c, turns), reply))
+            if not todo:
+                return
+            more = [GenRequest(Prompt(reqs[g].prompt.ids + c.token_ids + reply), 1,
+                               choice_seed(reqs[g].seed, 1000 * turn + k)) for (g, k, c, _), reply in todo]  # fmt: skip
+            outs = self.client.generate(more, spec)
+            for ((_, _, c, turns), reply), (o,) in zip(todo, outs, strict=True):
+                mask = c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids)
+                c.loss_mask = mask + [0] * len(reply) + [1] * len(o.token_ids)
+                c.token_ids = c.token_ids + reply + o.token_ids
+                c.logprobs = c.logprobs + [0.0] * len(reply) + list(o.logprobs)
+                c.finish_reason, c.routed, c.error = o.finish_reason, o.routed, o.error
+                turns.append(o.token_ids)
+            live = [entry for entry, _ in todo]
 
     def _score(self, split: str, index: int, task, token_ids):
         return score_completion(self.env, split, index, task, self.env.tokenizer.decode(token_ids), self.allow_nan)
@@ -115,7 +153,7 @@ class Orchestrator:
                 group.append(Sample(
                     task, g, list(req.prompt.ids), list(c.token_ids), list(c.logprobs), float(score.reward),
                     policy_step, c.finish_reason, dict(score.metrics), c.routed, req.prompt.pixel_values,
-                    req.prompt.image_grid_thw,
+                    req.prompt.image_grid_thw, loss_mask=c.loss_mask,
                 ))  # fmt: skip
             groups.append(group)
             nan_rewards, nan_groups = nan_rewards + nans, nan_groups + (nans > 0)

@@ -56,6 +56,9 @@ class Sample:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     advantage: float = 0.0
+    loss_mask: list[int] | None = None
+    """Multi-turn episodes: 1 on the ids the engine sampled, 0 on the environment's ids between turns (in the
+    sequence, out of the loss); None: every completion id is sampled."""
 
     @property
     def num_tokens(self) -> int:
@@ -115,9 +118,14 @@ def sample_batch(s: Sample, num_layers: int | None = None, top_k: int | None = N
     P, C = len(s.prompt_ids), len(s.completion_ids)
     if C == 0 or len(s.logprobs) != C:
         raise InputError(f"sample of group {s.group}: {C} completion tokens but {len(s.logprobs)} log-probs")
-    b = PackedBatch.from_sequences([s.prompt_ids + s.completion_ids], [[-100] * P + s.completion_ids])
-    b.inference_logprobs = torch.tensor([0.0] * P + list(s.logprobs), dtype=torch.float32)
-    b.advantages = torch.tensor([0.0] * P + [float(s.advantage)] * C, dtype=torch.float32)
+    mask = s.loss_mask if s.loss_mask is not None else [1] * C
+    if len(mask) != C:
+        raise InputError(f"sample of group {s.group}: {C} completion tokens but a loss mask of {len(mask)}")
+    labels = [t if m else -100 for t, m in zip(s.completion_ids, mask, strict=True)]
+    b = PackedBatch.from_sequences([s.prompt_ids + s.completion_ids], [[-100] * P + labels])
+    b.inference_logprobs = torch.tensor([0.0] * P + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)],
+                                        dtype=torch.float32)  # fmt: skip
+    b.advantages = torch.tensor([0.0] * P + [float(s.advantage) if m else 0.0 for m in mask], dtype=torch.float32)
     if s.routed is not None:
         rows = s.routed.long()
         missing = P + C - rows.shape[0]

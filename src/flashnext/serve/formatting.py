@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+from flashnext.serve.chat_parse import StreamState, message
 from flashnext.serve.protocol import error_body
 
 FAILED_REASONS = ("error", "abort")
@@ -47,6 +48,9 @@ class Formatter:
         self.include_usage = include_usage  # streamed: "usage": null on each chunk, then `usage_chunk()`
         self.created = int(time.time())
         self.echoed: set[int] = set()  # streamed choices whose prompt went out
+        self.parser = None  # a chat answer's OutputParser (reasoning, tool calls); None: the text is the content
+        self.streams: dict[int, StreamState] = {}  # streamed chat choices: what was sent, the text so far
+        self.streamed: dict[int, str] = {}
 
     def _token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None else str(tid)
@@ -123,12 +127,17 @@ class Formatter:
         choices = []
         for i, (r, text) in enumerate(zip(self.choices, texts, strict=True)):
             n = len(r.output_ids)
-            if self.chat:
+            reason = r.finish_reason
+            if self.chat and self.parser is not None:
+                msg, calls = message(self.parser, text)
+                body = {"message": msg}
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            elif self.chat:
                 body = {"message": {"role": "assistant", "content": text}}
             else:
                 body = {"text": self.prompt_text(i) + text if self.echo else text, "token_ids": list(r.output_ids)}
             lps = self._logprobs(i, 0, n, with_prompt=self.echo)
-            choices.append({"index": i, **body, "logprobs": lps, "finish_reason": r.finish_reason})
+            choices.append({"index": i, **body, "logprobs": lps, "finish_reason": reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -165,6 +174,22 @@ class Formatter:
         if not self.chat:
             out["choices"][0]["token_ids"] = list(self.choices[index].output_ids[lo:hi])  # extension: this chunk's
         return out
+
+    def deltas(self, index: int, text: str, lo: int, hi: int, reason: str | None) -> list[dict]:
+        """The streamed chunks of choice `index` for new text (tokens lo..hi): one `delta` chunk, or for a parsed
+        chat answer one chunk per field that grew (reasoning, content, a call's start, its argument text), the
+        log-probs on the first and the finish reason (tool_calls when calls were parsed) on the last."""
+        if not (self.chat and self.parser is not None):
+            return [self.delta(index, text, lo, hi, reason)]
+        state = self.streams.setdefault(index, StreamState(self.parser))
+        self.streamed[index] = self.streamed.get(index, "") + text
+        pieces = state.deltas(self.streamed[index], final=reason is not None) or [{}]
+        if reason == "stop" and state.has_calls:
+            reason = "tool_calls"
+        lps = self._logprobs(index, lo, hi)
+        last = len(pieces) - 1
+        return [self.chunk(index, d, reason if k == last else None, lps if k == 0 else None)
+                for k, d in enumerate(pieces)]  # fmt: skip
 
     def failure(self, req) -> tuple[int, dict]:
         """(HTTP status, error body) for a choice that ended with "error" (500) or "abort" (503)."""

@@ -167,6 +167,13 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = ""
+    tool_calls: list[Any] | None = None
+    """An assistant turn's calls (OpenAI objects, `function.arguments` a JSON string): `serve/chat_render.py`."""
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+    """An assistant turn's reasoning (`reasoning_content` too, for older clients): passed as the template reads it."""
+    reasoning_content: str | None = None
 
 
 class ChatRequest(_Body):
@@ -174,6 +181,16 @@ class ChatRequest(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """auto | none | required | {"type": "function", "function": {"name": ...}} (checked in `serve/chat_render.py`)."""
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra chat template variables (`enable_thinking`, `preserve_thinking`, `reasoning_effort`, ...)."""
+    reasoning_effort: str | None = None
+    """OpenAI's: none / minimal (thinking off), low, medium, high (the template's xhigh), xhigh, max."""
+
+    def _unsupported(self) -> dict[str, bool]:
+        return {"tools": False}  # chat renders tools and parses calls (serve/chat_render.py, serve/chat_parse.py)
 
     def completion_limit(self) -> int | None:
         """`max_completion_tokens`, else `max_tokens` (None: up to the context); `BadRequest` if < 1."""

@@ -36,6 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashnext.errors import FlashNextError
 from flashnext.serve import rl_routes
+from flashnext.serve.chat_parse import template_dialect
+from flashnext.serve.chat_render import apply_defaults, chat_prompt, generation_defaults
 from flashnext.serve.engine import Engine
 from flashnext.serve.formatting import FAILED_REASONS, Formatter, event, holdback
 from flashnext.serve.handlers import Stream, error_response, off_loop
@@ -177,14 +179,25 @@ class Routes:
     Args:
         engine: the engine (stepped by `loop`, set when the app starts).
         model_name: the served model's id.
-        model_dir: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor.
+        model_dir: the checkpoint directory; its `preprocessor_config.json`, if any, configures the image processor,
+            its `generation_config.json` the sampling defaults.
+        tool_call_parser: "auto" (the chat template's dialect), "xml" (alias "qwen3_coder"), "hermes" or "none".
+        reasoning_parser: "auto" (on when the chat template has think blocks), "qwen3" or "none".
     """
 
-    def __init__(self, engine: Engine, model_name: str, model_dir=None):
+    def __init__(self, engine: Engine, model_name: str, model_dir=None, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto"):  # fmt: skip
         self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
         self.loop: EngineLoop | None = None
         self.started = time.time()
         self.images: dict = {"model_dir": model_dir}  # the image processor, made on first use
+        self.defaults = generation_defaults(model_dir)
+        template = (getattr(self.tok, "config", None) or {}).get("chat_template")
+        template = template if isinstance(template, str) else ""
+        self.dialect = {"auto": template_dialect(template), "qwen3_coder": "xml", "none": None}.get(
+            tool_call_parser, tool_call_parser
+        )
+        self.reasoning = "<think>" in template if reasoning_parser == "auto" else reasoning_parser != "none"
 
     async def health(self):
         # With a decode graph, its compiled and pending buckets: serving starts before they compile (eager until then).
@@ -218,6 +231,7 @@ class Routes:
         if (bad := self._unknown_model(body.model)) is not None:
             return bad
         try:
+            apply_defaults(body, self.defaults)
             body.refuse_unsupported()
             prompts = body.prompts()
             params = body.completion_sampling()
@@ -252,37 +266,40 @@ class Routes:
             return error_response(400, "this model has no tokenizer, so no chat template; use /v1/completions with ids")
         urls: list[str] = []
         try:
+            apply_defaults(body, self.defaults)
             body.refuse_unsupported()
-            messages = body.template_messages(urls)
+            chat = chat_prompt(body, urls)
             max_tokens = body.completion_limit()
             limit = max_tokens or max(1, body.min_tokens)  # no limit: up to the context, set when queued
             params = body.sampling(limit, body.logprobs_setting(), end_of_turn_ids(self.tok))
         except FlashNextError as e:
             return _bad(e)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        queue = lambda rid, sink: self._queue_chat(rid, sink, messages, urls, params, max_tokens, field)  # noqa: E731
-        return await self._serve(request, queue, body, chat=True)
+        box: dict = {}  # the answer's parser, made with the rendered prompt
+        queue = lambda rid, sink: self._queue_chat(rid, sink, chat, urls, params, max_tokens, field, box)  # noqa: E731
+        return await self._serve(request, queue, body, chat=True, box=box)
 
-    def _queue_chat(self, rid: str, sink: Stream, messages, urls, params, max_tokens, field: str):
-        """Worker thread: render the chat template (images expanded), tokenize, queue the request."""
+    def _queue_chat(self, rid: str, sink: Stream, chat, urls, params, max_tokens, field: str, box: dict):
+        """Worker thread: render the chat template (images expanded), tokenize, queue the request; `box["parser"]`
+        is the answer's `OutputParser` (its reasoning state read from the rendered prompt)."""
         kw = {}
+        text = chat.render(self.tok)
+        box["parser"] = chat.parser(text, self.reasoning, self.dialect)
         try:
             if urls:
-                ids, images = _image_prompt(self.engine, self.tok, messages, urls, self.images)
+                ids, images = _image_prompt(self.engine, self.tok, text, urls, self.images)
                 kw = dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
             else:
-                ids = self.engine.encode(
-                    self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                )
+                ids = self.engine.encode(text)
         except jinja2.TemplateError as e:
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
         if max_tokens is None:  # up to the context
             params.max_tokens = max(1, self.engine.max_model_len - len(ids))
         return self.engine.add_request(ids, params, rid, sink, length_field=field, **kw)
 
-    async def _serve(self, request: Request, queue: Callable, body, chat: bool, echo: bool = False):
+    async def _serve(self, request: Request, queue: Callable, body, chat: bool, echo: bool = False, box=None):
         """Queue the request off the event loop, then answer it whole or as an SSE stream (`echo`: completions
-        return each prompt before its completion)."""
+        return each prompt before its completion; `box["parser"]`: a chat answer's parser)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = Stream(asyncio.get_running_loop())
         try:
@@ -291,6 +308,7 @@ class Routes:
             return _bad(e)
         self.loop.wake()
         fmt = Formatter(rid, self.model_name, self.tok, req.choices, chat, echo, body.include_usage)
+        fmt.parser = (box or {}).get("parser")
         if body.stream:
             return StreamingResponse(self._sse(request, req, sink, fmt), media_type="text/event-stream")
         return await self._whole(req, sink, fmt)
@@ -336,7 +354,8 @@ class Routes:
                 delta = text[len(sent_text[i]) : len(text) - hold] if len(text) - hold > len(sent_text[i]) else ""
                 if ntok > sent_tokens[i] or delta or reason is not None:
                     done += reason is not None
-                    yield event(fmt.delta(i, delta, sent_tokens[i], ntok, reason))
+                    for obj in fmt.deltas(i, delta, sent_tokens[i], ntok, reason):
+                        yield event(obj)
                     sent_tokens[i], sent_text[i] = ntok, sent_text[i] + delta
             if fmt.include_usage and done == n:
                 yield event(fmt.usage_chunk())
@@ -402,14 +421,17 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_every: float = 10.0,
     admin_key: str | None = None,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_name` (starts the engine thread on startup).
 
     `model_dir`: the checkpoint directory (its image processor config). `max_request_bytes`: larger request bodies
     get 413 (weight uploads are exempt: they stream). `log_every`: seconds between throughput log lines.
     `admin_key`: enables the weight-update routes (`serve/rl_routes.py`) behind `Authorization: Bearer KEY`.
+    `tool_call_parser`, `reasoning_parser`: how chat answers are split (`Routes`; `serve/chat_parse.py`).
     """
-    routes = Routes(engine, model_name, model_dir)
+    routes = Routes(engine, model_name, model_dir, tool_call_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -430,10 +452,10 @@ def build_app(
     return app
 
 
-def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], state: dict):
+def _image_prompt(engine: Engine, tok, text: str, urls: list[str], state: dict):
     """Prompt ids with each image expanded into its placeholder span, and the images' `ImageInputs`.
 
-    The template is rendered as text with a sentinel per image; the text between sentinels is tokenized piece by
+    `text` is the rendered template with a sentinel per image; the text between sentinels is tokenized piece by
     piece (the span's special tokens split the text in the reference tokenizer too).
     """
     from flashnext.errors import InputError
@@ -446,7 +468,6 @@ def _image_prompt(engine: Engine, tok, messages: list[dict], urls: list[str], st
     if "processor" not in state:
         state["processor"] = image_processor(vision, state.get("model_dir"))
     images = process_images(urls, vision, state["processor"])
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pieces = text.split(IMAGE_SENTINEL)
     if len(pieces) != len(urls) + 1:
         raise InputError(f"{len(urls)} images but {len(pieces) - 1} image positions in the rendered chat template")
