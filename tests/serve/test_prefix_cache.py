@@ -9,14 +9,18 @@ different chunking separates them (`TOL`).
 
 from __future__ import annotations
 
+import logging
+
+import httpx
 import pytest
 import torch
-from serve_helpers import small_model
+from serve_helpers import running_server, small_model
 from spec_helpers import spec_model
 
+from flashnext.cli import _serve_app, build_parser
 from flashnext.errors import ConfigError
 from flashnext.serve.engine import Engine
-from flashnext.serve.prefix_cache import PrefixCache
+from flashnext.serve.prefix_cache import PrefixCache, prefix_cache_line
 from flashnext.serve.sampling import SamplingParams
 
 B = 64  # the smallest block the GDN chunk allows
@@ -224,3 +228,28 @@ def test_block_size_must_fit_the_chunk_and_the_qsa_block(model):
     with pytest.raises(ConfigError, match="block size 96"):
         Engine(model, None, max_slots=2, max_model_len=128, prefix_block_size=96)
     assert Engine(model, None, max_slots=2, max_model_len=128, prefix_cache=False).prefix_cache is None
+
+
+def test_visible_over_http_metrics_and_logs(caplog):
+    """The second request of a shared 150-token prompt reports `usage.prompt_tokens_details.cached_tokens`, /metrics
+    counts it, and the server logs it (per request and in the periodic line); `serve` flags build the engine."""
+    caplog.set_level(logging.INFO, logger="flashnext.serve")
+    flags = ["--max-slots", "2", "--max-model-len", "256", "--threads", "1", "--max-batched-tokens", "64",
+             "--prefix-block-size", "64", "--prefix-cache-mb", "8"]  # fmt: skip
+    assert _serve_app(build_parser().parse_args(["serve", "--no-prefix-cache", *flags]))[2].prefix_cache is None
+    app, name, engine = _serve_app(build_parser().parse_args(["serve", *flags]))
+    assert engine.prefix_cache.B == 64 and engine.prefix_cache.budget == 8 * 2**20
+    prompt = ids(7, 150)
+    with running_server(app) as base:
+        body = {"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        first, second = (httpx.post(f"{base}/v1/completions", json=body, timeout=60).json() for _ in range(2))
+        text = httpx.get(f"{base}/metrics").text
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 128}
+    assert "flashnext_prefix_cache_cached_tokens_total 128\n" in text
+    assert "flashnext_prefix_cache_prompt_tokens_total 300\n" in text
+    assert f"flashnext_prefix_cache_hit_rate {128 / 300:.6f}" in text
+    assert "flashnext_prefix_cache_evictions_total 0" in text
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(second["id"] in m and "128 prompt tokens cached" in m for m in logged)
+    assert prefix_cache_line(engine.prefix_cache).startswith("prefix cache: 128/300 prompt tokens reused (42.7%)")

@@ -50,7 +50,8 @@ from flashnext.ops.deltanet import CHUNK
 from flashnext.serve.cache import StateCache
 from flashnext.serve.request import Request
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET_MB", "PrefixCache", "PrefixStats"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET_MB", "PrefixCache", "PrefixStats", "prefix_cache_line",
+           "prometheus_lines"]  # fmt: skip
 
 log = logging.getLogger("flashnext.serve")
 
@@ -395,3 +396,38 @@ class PrefixCache:
         saved, self.budget = self.budget, 0
         self._evict()
         self.budget = saved
+
+
+def prefix_cache_line(pc: PrefixCache) -> str:
+    """The server log's periodic line (since start)."""
+    s = pc.stats
+    mib = f"{pc.nbytes / 2**20:.1f}/{pc.budget / 2**20:.0f} MiB"
+    return (f"prefix cache: {s.cached_tokens}/{s.prompt_tokens} prompt tokens reused ({s.hit_rate:.1%}), "
+            f"{len(pc.blocks)} blocks, {mib}, {s.evicted} evicted")  # fmt: skip
+
+
+def prometheus_lines(pc: PrefixCache | None) -> list[str]:
+    """/metrics lines of the prefix cache (none when it is off)."""
+    if pc is None:
+        return []
+    s = pc.stats
+    return [
+        "# HELP flashnext_prefix_cache_prompt_tokens_total prompt tokens of admitted requests (looked up)",
+        "# TYPE flashnext_prefix_cache_prompt_tokens_total counter",
+        f"flashnext_prefix_cache_prompt_tokens_total {s.prompt_tokens}",
+        "# HELP flashnext_prefix_cache_cached_tokens_total prompt tokens resumed from the cache instead of prefilled",
+        "# TYPE flashnext_prefix_cache_cached_tokens_total counter",
+        f"flashnext_prefix_cache_cached_tokens_total {s.cached_tokens}",
+        "# HELP flashnext_prefix_cache_hit_rate cached / prompt tokens since start",
+        "# TYPE flashnext_prefix_cache_hit_rate gauge",
+        f"flashnext_prefix_cache_hit_rate {s.hit_rate:.6f}",
+        "# TYPE flashnext_prefix_cache_bytes gauge",
+        f"flashnext_prefix_cache_bytes {pc.nbytes}",
+        "# TYPE flashnext_prefix_cache_budget_bytes gauge",
+        f"flashnext_prefix_cache_budget_bytes {pc.budget}",
+        "# TYPE flashnext_prefix_cache_blocks gauge",
+        f"flashnext_prefix_cache_blocks {len(pc.blocks)}",
+        "# HELP flashnext_prefix_cache_evictions_total blocks evicted (budget, or stale weights)",
+        "# TYPE flashnext_prefix_cache_evictions_total counter",
+        f"flashnext_prefix_cache_evictions_total {s.evicted}",
+    ]
