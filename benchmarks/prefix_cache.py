@@ -171,8 +171,9 @@ def main() -> None:
             "ideal": med["on"][4],
         }
         s = summary[name]
+        of_ideal = s["hit_rate"] / s["ideal"]
         print(f"{name}: ttft speedup {s['ttft_speedup']:.2f}x, total speedup {s['total_speedup']:.2f}x, hit rate "
-              f"{s['hit_rate']:.3f} of ideal {s['ideal']:.3f} ({s['hit_rate'] / s['ideal']:.0%})", flush=True)  # fmt: skip
+              f"{s['hit_rate']:.3f} of ideal {s['ideal']:.3f} ({of_ideal:.0%})", flush=True)  # fmt: skip
     print(
         f"ttft_speedup_chat={summary['chat']['ttft_speedup']:.2f} "
         f"ttft_speedup_fewshot={summary['fewshot']['ttft_speedup']:.2f} "

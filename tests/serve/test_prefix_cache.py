@@ -253,3 +253,67 @@ def test_visible_over_http_metrics_and_logs(caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert any(second["id"] in m and "128 prompt tokens cached" in m for m in logged)
     assert prefix_cache_line(engine.prefix_cache).startswith("prefix cache: 128/300 prompt tokens reused (42.7%)")
+
+
+def composite_model():
+    """The tiny text config with a 1-block vision tower (as `test_image_serving.py`), every weight perturbed."""
+    from flashnext.config import parse_config, tiny_config
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)  # fmt: skip
+    text = {**tiny_config().to_dict(), "vocab_size": 516}
+    cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=vision, image_token_id=514,
+                            vision_start_token_id=512, vision_end_token_id=513))  # fmt: skip
+    m = FlashNextForConditionalGeneration(cfg).eval()
+    m.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return m
+
+
+def test_image_tokens_hash_by_image_content():
+    """The same ids with other pixels share only the blocks before the image (the second request snapshots at that
+    junction); the same pixels again hit through the image. Every output is the cache-off engine's."""
+    model = composite_model()
+    grid = torch.tensor([[1, 4, 6]])  # 6 merged tokens
+    pixels = [torch.randn(24, 96, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
+    prompt = ids(8, 70) + [512, *[514] * 6, 513] + ids(9, 60)  # the image at 70..77, in block 1
+    order = [0, 1, 0, 1]
+    outs = []
+    for on in (False, True):
+        engine = make(model, on)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+        reqs = []
+        for k in order:
+            req = engine.add_request(prompt, params, pixel_values=pixels[k], image_grid_thw=grid)
+            while not req.finished:
+                engine.step()
+            reqs.append(req.completion(False))
+        outs.append(reqs)
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert outs[0][0].logprobs != outs[0][1].logprobs  # the images matter
+    assert [c.cached_tokens for c in outs[1]] == [0, 0, 2 * B, 2 * B]
+
+
+def test_lru_evicts_the_least_recently_used_leaf(model):
+    """Three 2-block paths over a budget of 2.5 paths: the one not used since it was inserted loses its leaf (the
+    block with the snapshot, more than half a path), its parent stays; the older but recently hit path stays."""
+    params = greedy()
+    probe = make(model, True)
+    probe.generate([ids(20, 150)], params)
+    path_bytes = probe.prefix_cache.nbytes
+    engine = make(model, True, prefix_cache_mb=2.5 * path_bytes / 2**20)
+    a, b, c = ids(20, 150), ids(21, 150), ids(22, 150)
+    engine.generate([a], params)
+    engine.generate([b], params)
+    assert engine.generate([a + [1, 2]], params)[0].cached_tokens == 2 * B  # a is used again: b is now the LRU
+    engine.generate([c], params)
+    pc = engine.prefix_cache
+    ka, kb, kc = (pc.keys(engine.add_request(p, SamplingParams(max_tokens=1))) for p in (a, b, c))
+    assert all(k in pc.blocks for k in ka + kc)
+    assert kb[0] in pc.blocks and kb[1] not in pc.blocks
+    assert pc.stats.evicted == 1 and pc.nbytes <= pc.budget

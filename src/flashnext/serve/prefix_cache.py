@@ -95,7 +95,6 @@ class PrefixStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    ideal_tokens: int = 0  # tokens whose block was found (shared with a cached path), snapshot or not
     inserted: int = 0
     evicted: int = 0
     snapshots: int = 0
@@ -133,7 +132,7 @@ class PrefixCache:
         self.cache, self.B, self.budget = cache, block_size, int(budget_mb * 2**20)
         mtp = getattr(model, "mtp", None)
         n_mtp = 0 if mtp is None else len(mtp.layers)
-        self.image_token_id = getattr(model.config, "image_token_id", None) if hasattr(model, "visual") else None
+        self.image_token_id = getattr(model, "image_token_id", None)  # composite models
         # Positional buffers (buffer, tokens per row: 1, or c for the pooled index keys, of the MTP head): block i's
         # rows are a slice; the window and recurrent buffers (`states`) are what a snapshot copies.
         kinds = {id(b): k for b, k in cache._kinds}
@@ -152,6 +151,7 @@ class PrefixCache:
         self.weight_version, self.generation = 0, 0
         self._root = self._make_root()
         self._clock = 0
+        self._stale = False  # whether blocks of older weights may remain
 
     # ---- keys ----------------------------------------------------------------------------------------
     def _make_root(self) -> bytes:
@@ -163,13 +163,14 @@ class PrefixCache:
         if (weight_version, generation) != (self.weight_version, self.generation):
             self.weight_version, self.generation = weight_version, generation
             self._root = self._make_root()
+            self._stale = bool(self.blocks)
             self._evict()
 
     def keys(self, req: Request) -> list[bytes]:
         """One key per full block of the prompt (see the module doc)."""
         ids, B = req.prompt_ids, self.B
         first_image = None
-        if req.images is not None and self.image_token_id is not None:
+        if req.images is not None:  # the images' content from the block of the first image token on
             first_image = next((i for i, t in enumerate(ids) if t == self.image_token_id), 0)
             pixels, grid = req.images
             h = hashlib.blake2b(digest_size=16)
@@ -227,7 +228,6 @@ class PrefixCache:
         st = self.stats
         st.prompt_tokens += P
         st.cached_tokens += s
-        st.ideal_tokens += min(len(matched) * B, P - 1) if matched else 0
 
     def _load(self, req: Request, blocks: list[Block]) -> None:
         """Copy the blocks' rows and the last one's snapshot into the request's slot."""
@@ -371,7 +371,8 @@ class PrefixCache:
 
     def _evict(self) -> None:
         """Drop unreferenced stale blocks, then unreferenced leaves, least recently used first, past the budget."""
-        stale = [b for b in self.blocks.values() if b.root != self._root]
+        stale = [b for b in self.blocks.values() if b.root != self._root] if self._stale else []
+        self._stale = bool(stale)
         while stale:
             leaves = [b for b in stale if b.refs == 0 and b.children == 0]
             if not leaves:
@@ -379,6 +380,7 @@ class PrefixCache:
             for b in leaves:
                 self._drop(b)
             stale = [b for b in stale if b.key in self.blocks]
+            self._stale = bool(stale)
         if self.nbytes <= self.budget:
             return
         leaves = sorted((b for b in self.blocks.values() if b.refs == 0 and b.children == 0),
