@@ -15,6 +15,8 @@ Workloads (requests of one workload share nothing with another's: a fresh engine
   tokens, sent one after another (an evaluation harness with one request in flight).
 - rl: `--groups` prompts (default 8) of ~300 tokens (a shared 256-token instruction, then the task), each sent as
   `--samples` separate requests (default 8), all submitted at once (an RL rollout step): total time.
+- unique: `--unique` prompts (default 16) of ~600 tokens sharing nothing, one after another: what the cache costs
+  where it cannot help (the aim: not slower than off by more than 3%).
 
 Per workload and mode: TTFT median and p90 (ms), total seconds, hit rate (cached / prompt tokens, the engine's
 counters) next to the ideal (tokens shared with an earlier request of the workload / prompt tokens: what a
@@ -95,6 +97,14 @@ def rl(engine: Engine, args, vocab: int) -> tuple[list, list[list[int]]]:
     return reqs, prompts
 
 
+def unique(engine: Engine, args, vocab: int) -> tuple[list, list[list[int]]]:
+    """Prompts that share nothing (the cache's cost where it cannot help: a chunk cut at a snapshot point, keys,
+    block copies)."""
+    prompts = [rand_ids(9000 + i, n, vocab) for i, n in enumerate(lengths(8, 600, 100, args.unique))]
+    params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
+    return run_sequential(engine, prompts, params), prompts
+
+
 def ideal(prompts: list[list[int]], earlier_outputs=None) -> int:
     """Tokens of each prompt shared with an earlier prompt (or an earlier prompt + its answer)."""
     seen: list[list[int]] = []
@@ -128,6 +138,7 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=32)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--unique", type=int, default=16, help="prompts of the no-sharing workload (default 16)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-slots", type=int, default=16)
@@ -138,7 +149,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     max_len = args.system + args.turns * (args.user + 20 + args.reply) + 64
     summary, identical = {}, True
-    for name, workload in (("chat", chat), ("fewshot", fewshot), ("rl", rl)):
+    for name, workload in (("chat", chat), ("fewshot", fewshot), ("rl", rl), ("unique", unique)):
         res = {"off": [], "on": []}
         outputs: dict[str, list] = {}
         for _ in range(args.repeats):
@@ -171,7 +182,7 @@ def main() -> None:
             "ideal": med["on"][4],
         }
         s = summary[name]
-        of_ideal = s["hit_rate"] / s["ideal"]
+        of_ideal = s["hit_rate"] / s["ideal"] if s["ideal"] else float("nan")
         print(f"{name}: ttft speedup {s['ttft_speedup']:.2f}x, total speedup {s['total_speedup']:.2f}x, hit rate "
               f"{s['hit_rate']:.3f} of ideal {s['ideal']:.3f} ({of_ideal:.0%})", flush=True)  # fmt: skip
     print(

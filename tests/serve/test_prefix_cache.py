@@ -317,3 +317,18 @@ def test_lru_evicts_the_least_recently_used_leaf(model):
     assert all(k in pc.blocks for k in ka + kc)
     assert kb[0] in pc.blocks and kb[1] not in pc.blocks
     assert pc.stats.evicted == 1 and pc.nbytes <= pc.budget
+
+
+@pytest.mark.slow  # dynamo traces the decode step once per engine (~40 s each on the shared box)
+def test_decode_graph_after_a_hit(model):
+    """A resumed request decodes through the decode graph (eager backend: the same fixed-shape step) as without the
+    cache."""
+    prompts = [BASE[:150], BASE[:150] + [4, 5]]
+    kw = dict(decode_graph=True, decode_buckets=[1], compile_backend="eager")
+    plain = make(model, False, **kw)
+    off = [plain.generate([p], greedy())[0] for p in prompts]
+    engine = make(model, True, **kw)
+    on = [engine.generate([p], greedy())[0] for p in prompts]
+    assert [c.cached_tokens for c in on] == [0, 2 * B]
+    for a, b in zip(off, on, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
