@@ -332,3 +332,18 @@ def test_decode_graph_after_a_hit(model):
     assert [c.cached_tokens for c in on] == [0, 2 * B]
     for a, b in zip(off, on, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_drafts_never_ride_into_a_snapshot_point(mtp_model):
+    """A step budget of 63 ends a 128-token prompt's chunk at 127, after which its head drafts; the chunk to the
+    block-aligned end (128) is cut there by the snapshot point, which leaves the drafts out (`Scheduler.chunk`), so
+    the snapshot is the state after 128 tokens: the next prompt resumes there with the cache-off tokens."""
+    prompts = [BASE[: 2 * B], BASE[: 2 * B] + [9, 9]]
+    off = [make(mtp_model, False, budget=63).generate([p], greedy(k=2))[0] for p in prompts]
+    engine = make(mtp_model, True, budget=63)
+    on = [engine.generate([p], greedy(k=2))[0] for p in prompts]
+    assert on[0].num_draft_tokens > 0
+    assert [c.cached_tokens for c in on] == [0, 2 * B]
+    for a, b in zip(off, on, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < TOL

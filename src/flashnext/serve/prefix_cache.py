@@ -250,9 +250,11 @@ class PrefixCache:
     def limit(self, req: Request, budget: int) -> int:
         """`budget` cut so that a prefill chunk ends at the request's next snapshot point."""
         plan = self.plans.get(req)
-        if plan is None or not plan.points or req.suspect:
+        if plan is None or req.suspect:
             return budget
-        return min(budget, plan.points[0] - req.num_cached)
+        while plan.points and plan.points[0] <= req.num_cached:  # behind it (taken, or passed by a rollback)
+            plan.points.pop(0)
+        return min(budget, plan.points[0] - req.num_cached) if plan.points else budget
 
     # ---- after a step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -268,7 +270,7 @@ class PrefixCache:
                 p.points.pop(0)
             if not p.points or p.points[0] != e:
                 continue
-            p.points.pop(0)
+            p.points.pop(0)  # (no drafts rode here: a chunk cut at a point by `limit` leaves them out)
             rows = [buf[req.slot].clone() for buf in self.states]
             residual = None
             if spec is not None and req.spec_k:
