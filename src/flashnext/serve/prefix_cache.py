@@ -39,7 +39,6 @@ Legend: B block size, P prompt length, s resume position, e a request's prefille
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -52,8 +51,6 @@ from flashnext.serve.request import Request
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET_MB", "PrefixCache", "PrefixStats", "prefix_cache_line",
            "prometheus_lines"]  # fmt: skip
-
-log = logging.getLogger("flashnext.serve")
 
 DEFAULT_BLOCK_SIZE = 256  # tokens per block: 4 GDN chunks; a GDN snapshot costs ~2-4k tokens of QSA K/V (PREFIX.md)
 DEFAULT_BUDGET_MB = 1024.0
@@ -135,7 +132,7 @@ class PrefixCache:
         self.image_token_id = getattr(model, "image_token_id", None)  # composite models
         # Positional buffers (buffer, tokens per row: 1, or c for the pooled index keys, of the MTP head): block i's
         # rows are a slice; the window and recurrent buffers (`states`) are what a snapshot copies.
-        kinds = {id(b): k for b, k in cache._kinds}
+        kinds = {id(b): k for b, k in cache.kinds()}
         found = []  # (buffer, is positional, of the MTP head), in layer order
         for li, layer in enumerate(cache.layers):
             for part in layer.values():
@@ -394,12 +391,6 @@ class PrefixCache:
             if parent is not None and parent.refs == 0 and parent.children == 0 and parent.key in self.blocks:
                 pos = next((k for k, o in enumerate(leaves) if o.last_used > parent.last_used), len(leaves))
                 leaves.insert(pos, parent)
-
-    def clear(self) -> None:
-        """Forget every unreferenced block."""
-        saved, self.budget = self.budget, 0
-        self._evict()
-        self.budget = saved
 
 
 def prefix_cache_line(pc: PrefixCache) -> str:
