@@ -73,7 +73,8 @@ def test_verifiers_training_body_is_answered_with_its_logprobs(server):
     ids = choice["token_ids"]
     assert choice["finish_reason"] in ("stop", "length") and 1 <= len(ids) <= 8
     assert data["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": len(ids),
-                             "total_tokens": len(PROMPT) + len(ids)}  # fmt: skip
+                             "total_tokens": len(PROMPT) + len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
     assert all(len(e["top_logprobs"]) == 1 for e in content)  # logprobs: 1 -> one alternative per token

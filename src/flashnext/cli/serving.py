@@ -51,7 +51,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="draft tokens the model's MTP head proposes per step, verified in one step (default 0: off); "
         "requests may set num_speculative_tokens themselves",
     )
+    _add_prefix_cache_args(p)
     _add_ngram_storage_args(p)
+
+
+def _add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    from flashnext.serve.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET_MB
+
+    p.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false",
+        help="prefill every prompt whole (default: reuse the state of prompt prefixes seen before, exactly)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-cache-mb", type=float, default=DEFAULT_BUDGET_MB, metavar="MB",
+        help=f"MiB the prefix cache keeps on the model's device (default {DEFAULT_BUDGET_MB:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="B",
+        help=f"tokens per prefix-cache block, a multiple of 64 and of the QSA block (default {DEFAULT_BLOCK_SIZE})",
+    )  # fmt: skip
 
 
 def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
@@ -93,7 +111,8 @@ def _build_engine(args: argparse.Namespace):
     try:
         engine = Engine(
             model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
-            decode_buckets=_buckets(args.decode_buckets),
+            decode_buckets=_buckets(args.decode_buckets), prefix_cache=args.prefix_cache,
+            prefix_cache_mb=args.prefix_cache_mb, prefix_block_size=args.prefix_block_size,
         )  # fmt: skip
     except ConfigError as e:
         if "num_speculative_tokens" not in str(e):  # e.g. the decode graph's: its message names its flags itself

@@ -139,5 +139,9 @@ class StateCache:
         """Every state tensor (for tests: compare states, check addresses never change)."""
         return [buf for buf, _ in self._fills]
 
+    def kinds(self) -> list[tuple[torch.Tensor, str]]:
+        """Every state tensor with its `StateSpec.kind` (window, recurrent, positional)."""
+        return list(self._kinds)
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

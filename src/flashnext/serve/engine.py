@@ -72,6 +72,7 @@ from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.intake import Intake, check_speculative
 from flashnext.serve.model_step import ModelStep
+from flashnext.serve.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET_MB, PrefixCache
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampler import Sampler
@@ -101,6 +102,10 @@ class Engine:
             `serve.decode_graph` (prefill and speculative steps stay eager); False: every step eager.
         decode_buckets: the batch sizes decode steps are padded to (default `decode_graph.DEFAULT_BUCKETS`).
         compile_backend: torch.compile backend of the CPU decode graph ("inductor").
+        prefix_cache: reuse the state of prompt prefixes seen before (`serve.prefix_cache`); False: prefill every
+            prompt whole.
+        prefix_cache_mb: the prefix cache's budget in MiB (on the cache's device).
+        prefix_block_size: tokens per prefix-cache block (a multiple of the GDN chunk and the QSA block).
 
     Raises:
         ConfigError: `num_speculative_tokens` > 0 for a model without an MTP head, or out of range.
@@ -117,6 +122,9 @@ class Engine:
         decode_graph: bool = False,
         decode_buckets: Sequence[int] | None = None,
         compile_backend: str = "inductor",
+        prefix_cache: bool = True,
+        prefix_cache_mb: float = DEFAULT_BUDGET_MB,
+        prefix_block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         k = check_speculative(num_speculative_tokens, model)
         self.model = prepare_for_inference(model)
@@ -128,7 +136,9 @@ class Engine:
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_id = eos if eos is not None else self.config.eos_id
-        self.scheduler = Scheduler(self.cache)
+        self.prefix_cache = PrefixCache(self.cache, model, prefix_block_size, prefix_cache_mb) if prefix_cache else None
+        self._weights_generation = 0  # bumped by every weight load: the prefix cache's blocks of older weights go
+        self.scheduler = Scheduler(self.cache, self.prefix_cache)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the scheduler's, shared
         self.sampler = Sampler(tokenizer, self.eos_id, max_model_len)
         self._finished: list[Request] = []  # finished during the current step
@@ -188,7 +198,19 @@ class Engine:
         """Copy new weights into the model in place: `(name, tensor[, start row])` pieces by state-dict name
         (`serve.weight_update.copy_pieces`; the fused serving weights rebuild on next use). Call it between steps,
         from the thread that steps the engine or while that thread is parked. Returns (pieces, bytes copied)."""
+        self._weights_generation += 1  # even a failed load may have copied some pieces
         return copy_pieces(self.model, pieces)
+
+    @property
+    def weight_version(self) -> int:
+        """The weights' version, recorded on each admitted request; setting it (a weight update) also makes the
+        prefix cache's blocks stale (`serve.prefix_cache`), even when the number does not change."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version = version
+        self._weights_generation = getattr(self, "_weights_generation", 0) + 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -197,6 +219,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run the model once, sample. Returns the requests (choices) that finished in this step."""
         self._take_incoming()
+        if self.prefix_cache is not None:
+            self.prefix_cache.set_weights(self.weight_version, self._weights_generation)
         plan = self.scheduler.schedule(self.max_num_batched_tokens, self.admitting, self.weight_version)
         if plan:
             t0 = time.perf_counter()
@@ -220,6 +244,8 @@ class Engine:
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
         fed = self.scheduler.advance(plan, routing, None if spec is None else spec.first_row)
+        if self.prefix_cache is not None:  # snapshots due now, before sampling may end a request
+            self.prefix_cache.after_forward(plan, spec)
         for req in fed.scored_only:
             self._finish(req, "length")
         emitted = len(fed.to_sample)
@@ -230,6 +256,10 @@ class Engine:
             emitted += self._verify(req, i, n, spec)
         if spec is not None:
             self.speculator.propose_or_stop(fed.cells, spec)
+        if self.prefix_cache is not None:  # the prefilled blocks (and the head's cells just proposed)
+            for req, _ in plan:
+                if not req.finished:
+                    self.prefix_cache.collect(req)
         self.stats.step(fed.prompt_fed, time.perf_counter() - t0, emitted, fed.recomputed)
 
     def _verify(self, req: Request, i: int, n: int, out: SpecForward) -> int:

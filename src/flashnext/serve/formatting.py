@@ -120,7 +120,9 @@ class Formatter:
         """Prompt tokens once per prompt (its choices share it), completion tokens of every choice."""
         p = sum(len(r.prompt_ids) for r in self.choices if r.index == 0)
         c = sum(len(r.output_ids) for r in self.choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(r.num_cached_prompt for r in self.choices if r.index == 0)  # resumed from the prefix cache
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
     def final(self, texts: list[str]) -> dict:
         """The non-streamed response; `texts[i]` is choice i's final text."""

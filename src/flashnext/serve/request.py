@@ -43,6 +43,7 @@ class Completion:
             None unless `SamplingParams.prompt_logprobs` was asked (`serve.prompt_logprobs`).
         prompt_top_logprobs: per prompt position, the top n `(token_id, logprob)` pairs ([] at position 0); None
             unless `prompt_logprobs` > 0.
+        cached_tokens: prompt tokens resumed from the prefix cache instead of prefilled (`serve.prefix_cache`).
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class Completion:
     num_verify_steps: int = 0
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects (membership in the queues)
@@ -107,6 +109,8 @@ class Request:
     num_verify_steps: int = 0
     prompt_logprobs: list[float | None] | None = None  # per prompt position (shared by the choices), when asked
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_prompt: int = 0  # prompt tokens resumed from the prefix cache (`serve.prefix_cache`)
+    resume_residual: torch.Tensor | None = None  # a prefix-cache hit's residual, to recompute its last MTP cell
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +154,7 @@ class Request:
             prompt_top_logprobs=[list(t) for t in self.prompt_top_logprobs]
             if self.prompt_top_logprobs is not None and self.params.prompt_logprobs
             else None,
+            cached_tokens=self.num_cached_prompt,
         )
 
     def record_routing(self, rows: torch.Tensor) -> None:

@@ -204,7 +204,8 @@ class RLRoutes:
         generated = sum(len(c.token_ids) for c in choices)
         return {"request_id": rid, "prompt_token_ids": req.prompt_ids, "weight_version": req.weight_version,
                 "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
-                          "total_tokens": len(req.prompt_ids) + generated},
+                          "total_tokens": len(req.prompt_ids) + generated,
+                          "prompt_tokens_details": {"cached_tokens": req.num_cached_prompt}},
                 "choices": [self._choice(c, sp) for c in choices]}  # fmt: skip
 
     def _choice(self, c, sp: TokenSampling) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.serve.cache import StateCache
+from flashnext.serve.prefix_cache import PrefixCache
 from flashnext.serve.request import Request
 
 __all__ = ["Fed", "Scheduler"]
@@ -48,8 +49,9 @@ class Fed:
 class Scheduler:
     """Request queue, slot assignment and step plans over `cache`'s slots."""
 
-    def __init__(self, cache: StateCache):
+    def __init__(self, cache: StateCache, prefix: PrefixCache | None = None):
         self.cache = cache
+        self.prefix = prefix  # resumes admitted prompts, ends chunks at its snapshot points (None: off)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holding a slot, in admission order
         self.suspects: list[Request] = []  # in a failed step, to recompute one at a time
@@ -104,7 +106,7 @@ class Scheduler:
         for req in decoding + prefilling:  # decodes first: one token each (more after rejected drafts)
             if budget == 0:
                 break
-            n = self.chunk(req, budget)
+            n = self.chunk(req, budget if self.prefix is None else self.prefix.limit(req, budget))
             plan.append((req, n))
             budget -= n + len(req.drafts)
         # A request with n choices is admitted when its n slots are free (its children reserve theirs now).
@@ -116,7 +118,11 @@ class Scheduler:
             for choice in req.choices:
                 choice.weight_version = weight_version
             self.running.append(req)
-            n = min(budget, len(req.prompt_ids))
+            if self.prefix is not None:  # resume from a cached prefix (sets num_cached)
+                self.prefix.admit(req)
+                n = self.prefix.limit(req, min(budget, len(req.prompt_ids) - req.num_cached))
+            else:
+                n = min(budget, len(req.prompt_ids))
             plan.append((req, n))
             budget -= n
         return plan
@@ -178,6 +184,7 @@ class Scheduler:
         for child in children:
             self.cache.copy_slot(parent.slot, child.slot)
             child.num_cached, child.mtp_cells = parent.num_cached, parent.mtp_cells
+            child.num_cached_prompt, child.resume_residual = parent.num_cached_prompt, parent.resume_residual
             child.routed = list(parent.routed)  # the shared prompt's experts
             self.running.append(child)
         return children
@@ -188,8 +195,11 @@ class Scheduler:
         ids = ", ".join(req.request_id for req, _ in plan)
         log.warning("model step of %d requests failed (%s); recomputing them one at a time: %s", len(plan), what, ids)
         for req, _ in plan:
+            if self.prefix is not None:
+                self.prefix.release(req, keep=False)  # its slot is unsound; it recomputes without the cache
             self.cache.reset_slot(req.slot)  # partly written by the failed step
             req.num_cached = req.mtp_cells = 0
+            req.resume_residual = None
             req.prompt_embeds, req.drafts = None, []
             req.routed = []  # recomputed from the start
             if not req.suspect:
@@ -201,6 +211,8 @@ class Scheduler:
         if req.suspect:
             req.suspect = False
             self.suspects.remove(req)
+        if self.prefix is not None:  # keeps the blocks it prefilled (a failed request's slot is unsound)
+            self.prefix.release(req, keep=req.finish_reason != "error")
         if req.slot is not None:
             slot, req.slot = req.slot, None
             self.cache.release(slot)

@@ -43,6 +43,7 @@ from flashnext.serve.formatting import FAILED_REASONS, Formatter, event, holdbac
 from flashnext.serve.handlers import Stream, error_response, off_loop
 from flashnext.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from flashnext.serve.loading import end_of_turn_ids
+from flashnext.serve.prefix_cache import prefix_cache_line
 from flashnext.serve.protocol import IMAGE_SENTINEL, BadRequest, ChatRequest, CompletionRequest, show
 from flashnext.serve.stats import prometheus_text
 
@@ -153,6 +154,8 @@ def log_finished(req) -> None:
         rate = req.num_accepted / req.num_drafted
         length = (req.num_accepted + req.num_verify_steps) / req.num_verify_steps
         spec = f", drafts accepted {req.num_accepted}/{req.num_drafted} ({rate:.0%}, mean length {length:.2f})"
+    if req.num_cached_prompt:  # resumed from the prefix cache
+        spec += f", {req.num_cached_prompt} prompt tokens cached"
     log.info(
         "request %s finished: %s, prompt %d tokens, completion %d tokens, ttft %s, %.3fs%s%s",
         req.request_id, req.finish_reason, len(req.prompt_ids), len(req.output_ids), ttft, total, spec,
@@ -167,6 +170,8 @@ def log_throughput(engine: Engine) -> None:
         engine.stats.rate_seconds, gen_rate, prompt_rate, len(engine.running), len(engine.waiting),
         engine.cache.free_slots,
     )  # fmt: skip
+    if engine.prefix_cache is not None:
+        log.info("%s", prefix_cache_line(engine.prefix_cache))
 
 
 def _bad(e: FlashNextError) -> JSONResponse:

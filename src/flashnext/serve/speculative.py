@@ -221,31 +221,39 @@ class Speculator:
     def propose(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:
         """Feed the head the new cells of every speculating request in `cells` ((request, its entry in the
         step): a forked choice names its parent's entry) and set `drafts` of those that just sampled."""
-        todo = []  # (request, first new cell, end of new cells, its first residual row)
+        todo = []  # (request, first new cell, end of new cells, its first residual row, its cell lo resumed)
         for req, i in cells:
             if req.finished or req.spec_k == 0:
                 continue
             start = out.cached[i]
             lo, hi = req.mtp_cells, min(start + out.valid[i], req.num_tokens - 1)
-            if lo < start:  # cells missing below this step (the head failed before): its drafts would be poor
+            resumed = lo == start - 1 and req.resume_residual is not None  # a prefix-cache hit's last cell
+            if lo < start and not resumed:  # cells missing below this step (the head failed before): poor drafts
                 req.spec_k, req.drafts = 0, []
             elif hi > lo:
-                todo.append((req, lo, hi, out.cu[i] + lo - start))
+                todo.append((req, lo, hi, out.cu[i] + lo - start, resumed))
         if not todo:
             return
-        cu, rows, next_ids = [0], [], []
-        for req, lo, hi, r0 in todo:
-            rows.extend(range(r0, r0 + hi - lo))
+        cu, rows, next_ids, kept = [0], [], [], []
+        for req, lo, hi, r0, resumed in todo:
+            if resumed:  # cell lo's residual is not in this step: the one kept with the prefix-cache snapshot
+                kept.append((len(rows), req.resume_residual))
+                rows.append(0)
+                rows.extend(range(r0 + 1, r0 + hi - lo))
+            else:
+                rows.extend(range(r0, r0 + hi - lo))
             next_ids.extend(req.tokens(lo + 1, hi + 1))
             cu.append(cu[-1] + hi - lo)
         mrope = [t[0].mrope for t in todo]  # an image prompt's cells rotate at their tokens' MRoPE positions
         step = make_step(cu, [t[0].slot for t in todo], [t[1] for t in todo], self.cache.scratch_slot, self.device,
                          mrope)  # fmt: skip
         residual = out.residual.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        for row, kept_row in kept:
+            residual[row] = kept_row
         logits, r_next = self.model.draft_step(residual, self._ids(next_ids), step, self.cache)
-        for req, _, hi, _ in todo:
-            req.mtp_cells = hi
-        want = [self.draft_count(req) if hi == req.num_tokens - 1 else 0 for req, _, hi, _ in todo]
+        for req, _, hi, _, _ in todo:
+            req.mtp_cells, req.resume_residual = hi, None
+        want = [self.draft_count(req) if hi == req.num_tokens - 1 else 0 for req, _, hi, _, _ in todo]
         live = [j for j, w in enumerate(want) if w > 0]
         if live:
             last = torch.tensor([cu[j + 1] - 1 for j in live], dtype=torch.long, device=self.device)

@@ -7,6 +7,8 @@ import threading
 import time
 from collections import Counter, deque
 
+from flashnext.serve.prefix_cache import prometheus_lines
+
 log = logging.getLogger("flashnext.serve")
 
 # Below this share of accepted drafts, speculation is a loss. A verify step with k drafts yields 1 + a*k tokens
@@ -178,6 +180,7 @@ def prometheus_text(engine) -> str:
     ]
     lines += _quantiles("flashnext_time_to_first_token_seconds", s.ttft)
     lines += _quantiles("flashnext_time_per_output_token_seconds", s.tpot)
+    lines += prometheus_lines(getattr(engine, "prefix_cache", None))
     return "\n".join(lines + _speculation_lines(s)) + "\n"
 
 
