@@ -2,9 +2,10 @@
 is refused at start-up with a one-line error saying why.
 
 Axes (`AXES`): compute dtype {fp32, bf16} x decode step {eager, graph} x MTP speculative decoding {off, on} x n-gram
-tables {memory, fp8, mmap}. One checkpoint (bf16 weights, so fp32 and bf16 serve the same values) and its FP8-table
-twin; every cell serves the same three prompts greedily (8 tokens, with log-probs) and is checked against the plain
-fp32 forward of the same weights over each cell's own output (teacher-forced), token by token:
+tables {memory, fp8, mmap} x prefix cache {off, on} (64-token blocks; two prompts share a 70-token prefix and the
+second resumes from the first's block). One checkpoint (bf16 weights, so fp32 and bf16 serve the same values) and its
+FP8-table twin; every cell serves the same three prompts greedily (8 tokens, with log-probs) and is checked against
+the plain fp32 forward of the same weights over each cell's own output (teacher-forced), token by token:
 - the cell's log-prob of each token it chose equals the plain forward's within the cell's tolerance, and
 - that token is the plain forward's argmax, up to a near tie within the same tolerance (a tie broken the other way
   in a reordered sum is not an error; a wrong path is off by far more).
@@ -41,21 +42,23 @@ AXES = {
     "decode": ("eager", "graph"),
     "mtp": ("off", "on"),
     "tables": ("memory", "fp8", "mmap"),
+    "prefix": ("off", "on"),
 }
 DIAGONAL = [
-    ("fp32", "eager", "off", "memory"),
-    ("fp32", "graph", "on", "fp8"),
-    ("bf16", "eager", "on", "mmap"),
-    ("bf16", "graph", "off", "fp8"),
-    ("fp32", "graph", "off", "mmap"),  # refused
+    ("fp32", "eager", "off", "memory", "off"),
+    ("fp32", "graph", "on", "fp8", "on"),
+    ("bf16", "eager", "on", "mmap", "on"),
+    ("bf16", "graph", "off", "fp8", "off"),
+    ("fp32", "graph", "off", "mmap", "on"),  # refused
 ]
 FULL = [c for c in itertools.product(*AXES.values()) if c not in DIAGONAL]
 TOL = {"fp32": 2e-4, "bf16": 0.05}
-PROMPTS = [[5, 9, 2, 7, 11], [3, 40, 41, 8, 1, 60, 2, 2, 17], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+SHARED = [(7 * i + 3) % 61 + 1 for i in range(70)]  # a 70-token prefix: one 64-token prefix-cache block
+PROMPTS = [SHARED + [5, 9, 2, 7, 11], SHARED + [3, 40, 41, 8, 1, 60, 2, 2, 17], [12, 13, 14, 15, 16, 17, 18, 19]]
 MAX_TOKENS = 8
 # Refused combinations: (predicate over the cell, the start-up error it must raise).
 REFUSED = [
-    (lambda dtype, decode, mtp, tables: decode == "graph" and tables == "mmap",
+    (lambda dtype, decode, mtp, tables, prefix: decode == "graph" and tables == "mmap",
      ConfigError("the compiled decode step needs in-memory n-gram tables: --ngram-storage mmap")),
 ]  # fmt: skip
 
@@ -89,23 +92,26 @@ def _plain_greedy(path: str) -> dict[tuple, list[int]]:
     return out
 
 
-def serve_cell(root: Path, dtype: str, decode: str, mtp: str, tables: str):
-    """Serve `PROMPTS` in one cell: (completions, engine)."""
+def serve_cell(root: Path, dtype: str, decode: str, mtp: str, tables: str, prefix: str):
+    """Serve `PROMPTS` in one cell: (completions, engine). The first prompt goes first, alone, so that with the
+    prefix cache on the second resumes from its cached 64-token block."""
     path = root / ("fp8" if tables == "fp8" else "bf16")
     storage = {"memory": "auto", "fp8": "auto", "mmap": "mmap"}[tables]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = flashnext.from_pretrained(path, dtype=torch_dtype, ngram_storage=storage)
     graph = dict(decode_graph=True, decode_buckets=[4], compile_backend="eager") if decode == "graph" else {}
-    engine = Engine(model, max_slots=4, max_model_len=64, max_num_batched_tokens=16,
-                    num_speculative_tokens=2 if mtp == "on" else 0, **graph)  # fmt: skip
+    engine = Engine(model, max_slots=4, max_model_len=128, max_num_batched_tokens=16,
+                    num_speculative_tokens=2 if mtp == "on" else 0, prefix_cache=prefix == "on", prefix_block_size=64,
+                    **graph)  # fmt: skip
     if mtp == "on":
         KnownDrafts(engine, _plain_greedy(str(path)), p_wrong=0.3, seed=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    return engine.generate([list(p) for p in PROMPTS], params), engine
+    first = engine.generate([PROMPTS[0]], params)
+    return first + engine.generate([list(p) for p in PROMPTS[1:]], params), engine
 
 
-def check_cell(root: Path, cell: tuple[str, str, str, str]) -> None:
-    dtype, decode, mtp, tables = cell
+def check_cell(root: Path, cell: tuple[str, ...]) -> None:
+    dtype, decode, mtp, tables, prefix = cell
     for predicate, error in REFUSED:
         if predicate(*cell):
             with pytest.raises(type(error), match=re.escape(str(error))):
@@ -124,6 +130,8 @@ def check_cell(root: Path, cell: tuple[str, str, str, str]) -> None:
         assert float(gap.max()) <= tol, (cell, prompt, gap.tolist())
     if mtp == "on":
         assert engine.stats.spec_accepted > 0 and engine.stats.spec_drafted > engine.stats.spec_accepted
+    if prefix == "on":
+        assert done[1].cached_tokens == 64  # the shared block, with its GDN/PLE snapshot
     if decode == "graph" and mtp == "off":  # (steps holding a speculating request run eager by design)
         assert engine.decode_graph.compiles >= 1  # decode-only steps did run as the graph
 
