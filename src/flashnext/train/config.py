@@ -140,6 +140,9 @@ class TrainSection(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Compute the held-out loss (`eval_loss`; needs `data.eval_fraction` or `data.eval_path`) every N steps and
     after the last; 0: after the last step only."""
+    ignore_memory_plan: bool = False
+    """Build or load the model even when the memory plan (printed first: weights, gradients, optimizer
+    state; `train/memory_plan.py`) says it cannot fit this machine's RAM or GPU."""
     overwrite: bool = False
     """Start over in an `out_dir` that holds a previous run: delete its `metrics.jsonl`, `checkpoints/`,
     `final/` and `plots/` first (without it, and without `--resume`, such an `out_dir` is refused)."""

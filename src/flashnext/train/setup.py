@@ -17,6 +17,7 @@ from flashnext.parallel.dist import DistContext
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, ModelLimits, load_jsonl
 from flashnext.train.evaluation import split_eval
+from flashnext.train.memory_plan import check_training_plan
 from flashnext.train.optim import Schedulers, build_optimizer
 from flashnext.train.precision import MixedPrecision
 
@@ -83,6 +84,8 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
 
     dtype = DTYPES[cfg.model.dtype]
     distributed = ctx is not None and ctx.distributed
+    if not distributed:  # under torchrun every rank holds a shard: the one-process plan does not apply
+        check_training_plan(cfg, _model_config(cfg), device)
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
         storage = cfg.model.ngram_storage
@@ -107,6 +110,16 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
     if cfg.model.freeze_ngram:
         freeze_ngram_tables(model)
     return model.train()
+
+
+def _model_config(cfg: RunConfig):
+    """The whole model config of the run (the composite wrapper included when loading a composite checkpoint)."""
+    from flashnext.config import ModelConfig
+
+    if cfg.model.path is None:
+        return ModelConfig(text=model_text_config(cfg))
+    check_model_path(cfg.model.path)
+    return load_config(cfg.model.path)
 
 
 def freeze_ngram_tables(model: torch.nn.Module) -> list[str]:
