@@ -107,10 +107,12 @@ class TextConfig:
     mtp_num_hidden_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
     num_nextn_predict_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
     mtp: dict[str, Any] | None = ruled(None, OBJECT_OR_NULL)
-    layer_type_spelling: str | None = ruled(None, one_of(INDEXED, FULL_ATTENTION).or_null())
-    """How `layer_types` names the QSA layers in config.json (not a config.json key): set from the spelling loaded
-    (real checkpoints write `full_attention`), written back by `to_dict`; None (generated layer types) writes
-    `indexed_attention`."""
+    layer_type_spelling: str | None = field(
+        default=None, compare=False, metadata={"rule": one_of(INDEXED, FULL_ATTENTION).or_null()}
+    )
+    """How `layer_types` names the QSA layers in config.json (not a config.json key; not compared: presentation,
+    not geometry): set from the spelling loaded (real checkpoints write `full_attention`), written back by
+    `to_dict`; None (generated layer types) writes `indexed_attention`."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
