@@ -529,7 +529,9 @@ def format_plan(plan: Plan, cap: Capacity, title: str = "") -> str:
         free = "unknown" if cap.gpu_free is None else f"{gib(cap.gpu_free)} free of {gib(cap.gpu_total)}"
         lines.append(f"  GPU {plan.device}: {free}; on GPU: {gib(plan.on('gpu'))}")
     why = shortfall(plan, cap)
-    lines.append("  fits: yes" if why is None else f"  fits: NO ({why})")
+    unknown = not plan.device.startswith("cpu") and cap.gpu_free is None
+    verdict = "unknown (no CUDA here to ask the GPU; try --budget)" if unknown else "yes"
+    lines.append(f"  fits: {verdict}" if why is None else f"  fits: NO ({why})")
     return "\n".join(lines)
 
 
