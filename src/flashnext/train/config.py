@@ -100,6 +100,13 @@ class DataSection(BaseModel):
     loss; 0: no held-out split from `path`."""
     eval_path: str | None = None
     """A separate JSONL file of held-out examples for the eval loss (instead of `eval_fraction`)."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A malformed line (bad JSON or ids; for image rows also a missing or undecodable image, or more tokens than
+    `token_budget`): `error` stops the run naming file and line; `skip` warns with file and line and leaves it out."""
+    image_min_pixels: int | None = Field(None, ge=1)
+    """Image rows: the processor resizes each image to at least this many pixels (None: its default, 56 x 56)."""
+    image_max_pixels: int | None = Field(None, ge=1)
+    """Image rows: ... and at most this many (None: its default, 28 x 28 x 1280); fewer pixels, fewer tokens."""
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:
