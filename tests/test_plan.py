@@ -146,11 +146,15 @@ def test_released_config_gives_the_published_checkpoint_sizes():
         (["--weights", "fp8", "--trunk", "int8", "--ngram-storage", "mmap"], {"141GB": True, "128GB": False}),
         (["--weights", "int4", "--ngram-storage", "nf4"], {"141GB": True, "128GB": True, "64GB": False}),
         (["--weights", "int4", "--ngram-storage", "mmap", "--max-slots", "1"], {"64GB": False}),
+        (["--fp8-checkpoint", "--trunk", "int8", "--ngram-storage", "mmap"], {"141GB": True, "128GB": False}),
     ],
-    ids=["as-stored", "fp8-mmap", "fp8-int8-mmap", "int4-nf4", "int4-mmap-1-slot"],
+    ids=["as-stored", "fp8-mmap", "fp8-int8-mmap", "int4-nf4", "int4-mmap-1-slot", "fp8-checkpoint-mmap"],
 )
 def test_plan_command_on_the_released_config(tmp_path, capsys, flags, fits):
-    (tmp_path / "config.json").write_text(json.dumps(RELEASED))
+    fp8 = "--fp8-checkpoint" in flags  # the official FP8 checkpoint's config: its experts and table stay FP8
+    flags = [f for f in flags if f != "--fp8-checkpoint"]
+    config = {**RELEASED, "quantization_config": QWEN_FP8} if fp8 else RELEASED
+    (tmp_path / "config.json").write_text(json.dumps(config))
     budgets = [a for b in fits for a in ("--budget", b)]
     assert main(["plan", str(tmp_path), *flags, *budgets]) in (0, None)
     out = capsys.readouterr().out

@@ -322,7 +322,8 @@ def table_bytes(p: Param, storage: str, stored: StoredAs, opts: PlanOptions) -> 
     if storage == "nf4":
         return rows * (width // 2 + 2), "device"
     if storage == "mmap":  # rows read from the files; a bounded row cache in host memory
-        return min(int(opts.ngram_resident_mb * 2**20), rows * width * DTYPE_BYTES[kept]), "host"
+        stored_bytes = rows * width * (1 if kept == "fp8" else DTYPE_BYTES[kept])
+        return min(int(opts.ngram_resident_mb * 2**20), stored_bytes), "host"
     raise ConfigError(f"--ngram-storage {storage!r}: expected auto, dense, stored, mmap or nf4")
 
 
