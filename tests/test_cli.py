@@ -20,9 +20,10 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for name in ("serve", "generate", "train", "rl", "plot", "convert", "demo", "flops", "quantize"):
+    for name in ("serve", "generate", "train", "rl", "plot", "convert", "demo", "flops", "quantize", "plan"):
         assert f"\n    {name} " in out, name
-    assert set(_COMMANDS) == {"serve", "generate", "train", "rl", "plot", "convert", "demo", "flops", "quantize"}
+    names = {"serve", "generate", "train", "rl", "plot", "convert", "demo", "flops", "quantize", "plan"}
+    assert set(_COMMANDS) == names
 
 
 def test_bare_flashnext_prints_help_and_how_to_run_the_demo(capsys):
@@ -38,7 +39,8 @@ def test_bare_flashnext_prints_help_and_how_to_run_the_demo(capsys):
         (["trian", "--train.steps=3"], "unknown command 'trian'; did you mean 'train'?"),
         (
             ["xyzzy"],
-            "unknown command 'xyzzy' (commands: serve, generate, train, rl, plot, convert, demo, flops, quantize)",
+            "unknown command 'xyzzy' (commands: serve, generate, train, rl, plot, convert, demo, flops, quantize, "
+            "plan)",
         ),
         (["--seq-len", "8"], "unknown command '--seq-len'; options follow a command, e.g. `flashnext demo --seq-len`"),
     ],

@@ -49,6 +49,8 @@ from flashnext.config_rules import (  # noqa: F401  (re-exported: `flashnext.con
 )  # fmt: skip
 from flashnext.errors import ConfigError
 
+FULL_ATTENTION = "full_attention"  # the official spelling of an indexed (QSA) layer in `layer_types`
+
 
 @dataclass
 class TextConfig:
@@ -105,6 +107,12 @@ class TextConfig:
     mtp_num_hidden_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
     num_nextn_predict_layers: int | None = ruled(None, TOKEN_ID_OR_NULL)
     mtp: dict[str, Any] | None = ruled(None, OBJECT_OR_NULL)
+    layer_type_spelling: str | None = field(
+        default=None, compare=False, metadata={"rule": one_of(INDEXED, FULL_ATTENTION).or_null()}
+    )
+    """How `layer_types` names the QSA layers in config.json (not a config.json key; not compared: presentation,
+    not geometry): set from the spelling loaded (real checkpoints write `full_attention`), written back by
+    `to_dict`; None (generated layer types) writes `indexed_attention`."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -122,8 +130,10 @@ class TextConfig:
             n = self.full_attention_interval
             self.layer_types = [LINEAR if (i + 1) % n else INDEXED for i in range(self.num_hidden_layers)]
         else:
-            # Real checkpoints spell indexed (QSA) layers "full_attention".
-            self.layer_types = [INDEXED if t == "full_attention" else t for t in self.layer_types]
+            # Real checkpoints spell indexed (QSA) layers "full_attention"; remember the spelling to write it back.
+            if self.layer_type_spelling is None and isinstance(self.layer_types, list):
+                self.layer_type_spelling = next((t for t in self.layer_types if t in (INDEXED, FULL_ATTENTION)), None)
+            self.layer_types = [INDEXED if t == FULL_ATTENTION else t for t in self.layer_types]
         self.validate()
 
     # ---- derived quantities -------------------------------------------------------------------------
@@ -203,6 +213,8 @@ class TextConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out.pop("full_attention_interval")
+        spelling = out.pop("layer_type_spelling") or INDEXED
+        out["layer_types"] = [spelling if t == INDEXED else t for t in self.layer_types]
         for name in ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp"):  # written in the spelling given
             if out[name] is None:
                 del out[name]

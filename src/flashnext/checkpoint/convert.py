@@ -14,7 +14,7 @@ import torch
 from flashnext.checkpoint import layout, training
 from flashnext.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, state_entries, write_checkpoint
 from flashnext.checkpoint.target import check_target, writing
-from flashnext.config import ModelConfig, parse_config
+from flashnext.config import FULL_ATTENTION, INDEXED, ModelConfig, parse_config
 from flashnext.errors import CheckpointError, ConfigError
 from flashnext.ngram_hash import hash_constants
 
@@ -32,11 +32,17 @@ def ngram_buffers(cfg: ModelConfig, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def convert_checkpoint(
-    checkpoint: str | Path, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False
+    checkpoint: str | Path,
+    out: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    layer_type_spelling: str | None = None,
 ) -> Path:
     """Write a single-process training checkpoint's model in the official layout (+ the run's tokenizer files).
 
     `out` must be absent or empty unless `overwrite`, which replaces it whole (`checkpoint.target`).
+    `layer_type_spelling` (`full_attention` or `indexed_attention`) names the QSA layers in the written
+    `config.json`'s `layer_types`; None keeps the spelling the run's model was loaded with.
 
     Raises:
         CheckpointError: the checkpoint is unreadable, holds no model state, or `out` is not empty.
@@ -50,6 +56,12 @@ def convert_checkpoint(
     if not isinstance(state, dict) or not state:
         raise CheckpointError(f"{str(checkpoint)!r} holds no model state (state.pt has no 'model' entry)")
     cfg = parse_config(meta["model_config"])
+    if layer_type_spelling is not None:
+        if layer_type_spelling not in (INDEXED, FULL_ATTENTION):
+            raise ConfigError(
+                f"layer_type_spelling={layer_type_spelling!r}: expected {FULL_ATTENTION!r} or {INDEXED!r}"
+            )
+        cfg.text.layer_type_spelling = layer_type_spelling
     style = layout.model_style(state) or layout.TEXT
     prefix = "model.language_model." if style == layout.MULTIMODAL else "model."
     entries = state_entries(state, ngram_buffers(cfg, prefix), {}, style, cfg)

@@ -9,6 +9,8 @@ Commands (`flashnext` alone prints the help; an unknown one is an error with a d
         rewards, IPO steps and weight sync (its own parser, like train).
     convert, quantize (`cli/checkpoints.py`): a training checkpoint -> the official Hugging Face layout; a
         checkpoint whose n-gram tables are FP8.
+    plan (`cli/plan.py`): the bytes of every part of a model from its config.json (+ safetensors headers), and
+        whether it fits this machine; `serve` and `train` check the same plan before loading.
     demo, flops (`cli/demo.py`): build, save, reload and run the tiny model with self-checks; forward FLOPs of a
         packed batch per component.
 `python -m flashnext ...` is the same command line (the torchrun entry points: `torchrun ... -m flashnext train`,
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from flashnext.cli import _env  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
 from flashnext.cli.checkpoints import _add_convert_args, _add_quantize_args, run_convert, run_quantize
 from flashnext.cli.demo import DemoCheckFailed, _add_demo_args, _add_flops_args, run_demo, run_flops
+from flashnext.cli.plan import _add_plan_args, run_plan
 from flashnext.cli.rl import main as _run_rl
 from flashnext.cli.serving import _add_generate_args, _add_serve_args, _serve_app, run_generate, run_serve
 from flashnext.cli.train import _add_plot_args, run_plot
@@ -47,6 +50,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "demo": ("build, save, reload and run the embedded tiny model (self-checks)", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
     "quantize": ("write a checkpoint with FP8 n-gram tables", _add_quantize_args, run_quantize),
+    "plan": ("memory plan of a checkpoint or config.json per part, and whether it fits", _add_plan_args, run_plan),
 }
 _RAW_ARGV = {"train", "rl"}  # commands handed their arguments unparsed
 

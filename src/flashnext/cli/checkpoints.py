@@ -10,12 +10,19 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a training checkpoint (checkpoints/step_N)")
     p.add_argument("--out", required=True, metavar="DIR", help="where to write the official Hugging Face layout")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory whole")
+    p.add_argument(
+        "--layer-type-spelling", choices=["full_attention", "indexed_attention"], default=None,
+        help="how config.json's layer_types names the QSA layers (default: as the run's model was loaded; "
+        "llama.cpp's converter reads only full_attention)",
+    )  # fmt: skip
 
 
 def run_convert(args: argparse.Namespace) -> None:
     from flashnext.checkpoint.convert import convert_checkpoint
 
-    out = convert_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    out = convert_checkpoint(
+        args.checkpoint, args.out, overwrite=args.overwrite, layer_type_spelling=args.layer_type_spelling
+    )
     print(f"wrote {out} (official layout; load with flashnext.from_pretrained or transformers)")
 
 

@@ -53,6 +53,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     _add_prefix_cache_args(p)
     _add_ngram_storage_args(p)
+    p.add_argument(
+        "--ignore-memory-plan", action="store_true",
+        help="load even when the memory plan (printed on stderr before loading) says the model cannot fit",
+    )  # fmt: skip
 
 
 def _add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +91,7 @@ def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):
+    from flashnext.cli.plan import check_serving_plan
     from flashnext.serve.decode_graph import use_compile_cache
     from flashnext.serve.engine import Engine
     from flashnext.serve.loading import checkpoint_dtype, load_for_serving
@@ -95,6 +100,7 @@ def _build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     device = _device(args.device)
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else checkpoint_dtype(args.model)
+    check_serving_plan(args, dtype, device)  # before anything is loaded: a model that cannot fit stops here
     model, tokenizer, name = load_for_serving(
         args.model, dtype, args.seed, ngram_storage=args.ngram_storage, ngram_resident_mb=args.ngram_resident_mb,
         device=device,

@@ -100,6 +100,13 @@ class DataSection(BaseModel):
     loss; 0: no held-out split from `path`."""
     eval_path: str | None = None
     """A separate JSONL file of held-out examples for the eval loss (instead of `eval_fraction`)."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A malformed line (bad JSON or ids; for image rows also a missing or undecodable image, or more tokens than
+    `token_budget`): `error` stops the run naming file and line; `skip` warns with file and line and leaves it out."""
+    image_min_pixels: int | None = Field(None, ge=1)
+    """Image rows: the processor resizes each image to at least this many pixels (None: its default, 56 x 56)."""
+    image_max_pixels: int | None = Field(None, ge=1)
+    """Image rows: ... and at most this many (None: its default, 28 x 28 x 1280); fewer pixels, fewer tokens."""
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:
@@ -140,6 +147,9 @@ class TrainSection(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Compute the held-out loss (`eval_loss`; needs `data.eval_fraction` or `data.eval_path`) every N steps and
     after the last; 0: after the last step only."""
+    ignore_memory_plan: bool = False
+    """Build or load the model even when the memory plan (printed first: weights, gradients, optimizer
+    state; `train/memory_plan.py`) says it cannot fit this machine's RAM or GPU."""
     overwrite: bool = False
     """Start over in an `out_dir` that holds a previous run: delete its `metrics.jsonl`, `checkpoints/`,
     `final/` and `plots/` first (without it, and without `--resume`, such an `out_dir` is refused)."""

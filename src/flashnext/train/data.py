@@ -10,6 +10,8 @@ Each non-blank line is one JSON object of one of three kinds, detected from its 
   `[len(render(messages[:i], add_generation_prompt=True)), len(render(messages[:i + 1])))` of the full rendering,
   so the role header is prompt and the turn's end marker is trained. Each prefix rendering must be a prefix of the
   full one; templates that rewrite earlier turns (e.g. dropping past reasoning) are rejected with an error.
+- image rows: `{"messages": [...]}` whose user/system contents are lists of text and image parts (a local path or
+  a data: URL), for a composite model: `train/images.py`.
 - `{"input_ids": [int, ...], "labels": [int, ...]}`: pre-tokenized; `labels` (same length, -100 = no loss) is
   optional and defaults to every token.
 - RL rollouts are pre-tokenized lines with, in addition, `"inference_logprobs": [float, ...]` (entry t is the
@@ -22,18 +24,21 @@ Labels are not shifted: `labels[t]` is token t where it carries loss, -100 elsew
 Malformed lines raise `InputError` naming the file, the line number and the problem: invalid UTF-8 or JSON, a
 wrong type or length, and (given the model's `ModelLimits`) an id outside the vocabulary or a `routed_experts`
 entry outside the model's experts/layers/top-k. Every line is checked at load time, so a bad id deep in a large
-file stops the run before its first step instead of when its micro-batch trains.
+file stops the run before its first step instead of when its micro-batch trains; with `skip_bad` (the config's
+`data.bad_rows = "skip"`) each bad line is reported as a warning with its file and line and left out instead.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from flashnext.errors import InputError
+from flashnext.train.images import has_images, image_messages
 
 IGNORE = -100
 KINDS = ('{"prompt", "completion"}', '{"messages"}', '{"input_ids"[, "labels"]}')
@@ -77,6 +82,7 @@ class Example:
         advantages: RL only, [n] per-token advantages.
         inference_logprobs: RL only, [n]; entry t is the engine's log-probability of `input_ids[t]`.
         routed_experts: RL only (optional), [n][n_moe_layers][top_k] experts to replay.
+        images: an image row's pixels, grids and 3-D positions (`train.images.RowImages`), else None.
     """
 
     input_ids: list[int]
@@ -84,12 +90,15 @@ class Example:
     advantages: list[float] | None = None
     inference_logprobs: list[float] | None = None
     routed_experts: list[list[list[int]]] | None = None
+    images: Any = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def truncated(self, n: int) -> Example:
-        """The first `n` tokens of this example (every per-token field cut alike)."""
+        """The first `n` tokens of this example (every per-token field cut alike); an image row is never cut."""
+        if self.images is not None and n < len(self):
+            raise InputError(f"an image row of {len(self)} tokens cannot be cut to {n} (its images would be cut)")
         cut = lambda x: None if x is None else x[:n]
         return Example(
             self.input_ids[:n],
@@ -97,11 +106,17 @@ class Example:
             cut(self.advantages),
             cut(self.inference_logprobs),
             cut(self.routed_experts),
+            self.images,
         )
 
 
 def load_jsonl(
-    path: str | Path, tokenizer: Any = None, add_eos: bool = True, limits: ModelLimits | None = None
+    path: str | Path,
+    tokenizer: Any = None,
+    add_eos: bool = True,
+    limits: ModelLimits | None = None,
+    images: Any = None,
+    skip_bad: bool = False,
 ) -> list[Example]:
     """Read a JSONL dataset (see the module docstring for the three line kinds).
 
@@ -111,9 +126,11 @@ def load_jsonl(
             `apply_chat_template(messages, tokenize=True, ...)` (messages); not needed for pre-tokenized lines.
         add_eos: append `tokenizer.eos_token_id` (when not None) to completions.
         limits: the model's vocabulary and routing shape; every id of every line is checked against them.
+        images: `train.images.ImageRows` for image rows (a composite model), None for a text model.
+        skip_bad: warn `"<path>:<line>: <problem> (row skipped)"` for each malformed line and leave it out.
 
     Raises:
-        InputError: `"<path>:<line>: <problem>"` for the first malformed line.
+        InputError: `"<path>:<line>: <problem>"` for the first malformed line (unless `skip_bad`).
     """
     path = Path(path)
     out = []
@@ -122,9 +139,11 @@ def load_jsonl(
             try:
                 line = _decode(raw, first=lineno == 1)
                 if line.strip():
-                    out.append(parse_record(_loads(line), tokenizer, add_eos, limits))
+                    out.append(parse_record(_loads(line), tokenizer, add_eos, limits, images))
             except InputError as e:
-                raise InputError(f"{path}:{lineno}: {e}") from None
+                if not skip_bad:
+                    raise InputError(f"{path}:{lineno}: {e}") from None
+                warnings.warn(f"{path}:{lineno}: {e} (row skipped)", stacklevel=2)
     return out
 
 
@@ -143,7 +162,7 @@ def _loads(line: str) -> Any:
 
 
 def parse_record(
-    record: Any, tokenizer: Any = None, add_eos: bool = True, limits: ModelLimits | None = None
+    record: Any, tokenizer: Any = None, add_eos: bool = True, limits: ModelLimits | None = None, images: Any = None
 ) -> Example:
     """Turn one decoded JSON line into an `Example` (raises `InputError` without the file position).
 
@@ -154,6 +173,9 @@ def parse_record(
     keys = set(record)
     if "input_ids" in keys:
         ex = _pretokenized(record)
+    elif "messages" in keys and has_images(record["messages"]):
+        _need(tokenizer, "apply_chat_template", '"messages"')
+        ex = image_messages(record["messages"], tokenizer, images)
     elif "messages" in keys:
         ex = _messages(record["messages"], tokenizer)
     elif {"prompt", "completion"} <= keys:

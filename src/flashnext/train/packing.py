@@ -167,7 +167,26 @@ def collate(examples: Sequence[Example]) -> PackedBatch:
             raise InputError("routed_experts rows must all be [n_moe_layers][top_k]") from None
     elif any(r is not None for r in routed):
         raise InputError("a micro-batch mixes examples with and without 'routed_experts'")
+    if any(ex.images is not None for ex in examples):
+        _collate_images(batch, examples)
     return batch
+
+
+def _collate_images(batch: PackedBatch, examples: Sequence[Example]) -> None:
+    """Set an image-bearing batch's pixels, grids, token types and 3-D positions; a text row's positions are its
+    offsets on all three axes (what `get_rope_index` gives a text-only sequence)."""
+    rows = [ex.images for ex in examples if ex.images is not None]
+    batch.pixel_values = torch.cat([r.pixel_values for r in rows])
+    batch.image_grid_thw = torch.cat([r.image_grid_thw for r in rows])
+    positions, types = [], []
+    for ex in examples:
+        if ex.images is None:
+            positions.append(torch.arange(len(ex), dtype=torch.int64).expand(3, len(ex)))
+            types.append(torch.zeros(len(ex), dtype=torch.int64))
+        else:
+            positions.append(ex.images.position_ids)
+            types.append(ex.images.mm_token_type_ids)
+    batch.position_ids, batch.mm_token_type_ids = torch.cat(positions, 1), torch.cat(types)
 
 
 def pack(

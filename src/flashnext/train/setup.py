@@ -5,6 +5,7 @@ group, compile and activation checkpointing, the optimizers and mixed precision.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -17,6 +18,7 @@ from flashnext.parallel.dist import DistContext
 from flashnext.train.config import RunConfig
 from flashnext.train.data import Example, ModelLimits, load_jsonl
 from flashnext.train.evaluation import split_eval
+from flashnext.train.memory_plan import check_training_plan
 from flashnext.train.optim import Schedulers, build_optimizer
 from flashnext.train.precision import MixedPrecision
 
@@ -83,6 +85,8 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
 
     dtype = DTYPES[cfg.model.dtype]
     distributed = ctx is not None and ctx.distributed
+    if not distributed:  # under torchrun every rank holds a shard: the one-process plan does not apply
+        check_training_plan(cfg, _model_config(cfg), device)
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
         storage = cfg.model.ngram_storage
@@ -93,8 +97,9 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
             ngram_resident_mb=cfg.model.ngram_resident_mb,
         )  # fmt: skip
     else:  # distributed: on meta, materialised shard by shard by parallelize
-        text = model_text_config(cfg)
-        model = build.build_model(text, seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device)
+        model = build.build_model(
+            _model_config(cfg), seed=cfg.model.seed, dtype=dtype, device="meta" if distributed else device
+        )
     if distributed:
         from flashnext.parallel import ParallelConfig, parallelize
 
@@ -107,6 +112,19 @@ def build_model(cfg: RunConfig, device: torch.device, ctx: DistContext | None = 
     if cfg.model.freeze_ngram:
         freeze_ngram_tables(model)
     return model.train()
+
+
+def _model_config(cfg: RunConfig):
+    """The whole model config of the run (the composite wrapper included when loading a composite checkpoint)."""
+    from flashnext.config import ModelConfig
+
+    if cfg.model.path is None:  # a composite config file (model.config) builds the composite model
+        text = model_text_config(cfg)
+        source = cfg.model.config
+        full = load_config(source) if source != "tiny" and Path(source).exists() else None
+        return dataclasses.replace(full, text=text) if full is not None and full.composite else ModelConfig(text=text)
+    check_model_path(cfg.model.path)
+    return load_config(cfg.model.path)
 
 
 def freeze_ngram_tables(model: torch.nn.Module) -> list[str]:
@@ -131,28 +149,38 @@ def load_tokenizer_for(cfg: RunConfig):
 
 
 def load_examples(
-    cfg: RunConfig, tokenizer, limits: ModelLimits | None = None
+    cfg: RunConfig, tokenizer, limits: ModelLimits | None = None, model_config=None
 ) -> tuple[list[Example], list[Example] | None]:
-    """(training examples, held-out examples or None) as `data` says; every id checked against `limits`."""
+    """(training examples, held-out examples or None) as `data` says; every id checked against `limits`; image
+    rows need `model_config` (a composite model's `ModelConfig`)."""
     if cfg.data.path is not None:
         path = Path(cfg.data.path)
     else:
         from flashnext.tokenizer import bundled_sft_path
 
         path = bundled_sft_path()
-    examples = _read_examples(path, "data.path", cfg, tokenizer, limits)
+    examples = _read_examples(path, "data.path", cfg, tokenizer, limits, model_config)
     if cfg.data.eval_path is not None:
-        return examples, _read_examples(Path(cfg.data.eval_path), "data.eval_path", cfg, tokenizer, limits)
+        held_out = _read_examples(Path(cfg.data.eval_path), "data.eval_path", cfg, tokenizer, limits, model_config)
+        return examples, held_out
     if cfg.data.eval_fraction:
         return split_eval(examples, cfg.data.eval_fraction, cfg.data.seed)
     return examples, None
 
 
-def _read_examples(path: Path, field: str, cfg: RunConfig, tokenizer, limits: ModelLimits | None) -> list[Example]:
+def _read_examples(
+    path: Path, field: str, cfg: RunConfig, tokenizer, limits: ModelLimits | None, model_config=None
+) -> list[Example]:
+    from flashnext.train.images import ImageRows
+
     if not path.is_file():
         problem = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
         raise ConfigError(f"{field}={str(path)!r} {problem}")
-    examples = load_jsonl(path, tokenizer, add_eos=cfg.data.add_eos, limits=limits)
+    d = cfg.data
+    images = None
+    if model_config is not None and getattr(model_config, "vision_config", None) is not None:
+        images = ImageRows(model_config, path.parent, d.token_budget, d.image_min_pixels, d.image_max_pixels)
+    examples = load_jsonl(path, tokenizer, d.add_eos, limits, images, skip_bad=d.bad_rows == "skip")
     if not examples:
         raise InputError(f"{path}: no examples")
     return examples

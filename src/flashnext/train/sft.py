@@ -28,7 +28,8 @@ from flashnext.train.setup import DTYPES, load_examples
 def load_data(cfg: RunConfig, tokenizer, model: torch.nn.Module, cost_fn: CostFn, groups: int):
     """(the packed loader, the held-out `Evaluator` or None) of the data file; the examples are checked against the
     model at load. `groups`: the data-parallel groups that share each step's micro-batches."""
-    examples, held_out = load_examples(cfg, tokenizer, ModelLimits.of(model.config))
+    composite = getattr(model, "model_config", None)  # image rows need the composite model's config
+    examples, held_out = load_examples(cfg, tokenizer, ModelLimits.of(model.config), composite)
     loader = PackedLoader(
         examples,
         cfg.data.token_budget,
