@@ -93,4 +93,5 @@ def test_layers_share_one_reused_buffer_and_casts_keep_fp8():
         held = {t.data_ptr() for pair in model.a.scratch._bufs.values() for t in pair}
         model.b(x, torch.tensor([[7, 1], [2, 3], [7, 4]]), w)  # as many experts: the same buffer, not a new one
         assert {t.data_ptr() for pair in model.b.scratch._bufs.values() for t in pair} == held
-    assert model.a.nbytes == E * (2 * I * D + D * I) + E * (4 * 2 + 2 * 2) * 2  # FP8 weights + bf16 [4, 2] / [2, 2] grids
+    # FP8 weights, bf16 grids [4, 2] (gate + up) and [2, 2] (down)
+    assert model.a.nbytes == E * (2 * I * D + D * I) + E * (4 * 2 + 2 * 2) * 2

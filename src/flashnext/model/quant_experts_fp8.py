@@ -107,10 +107,11 @@ class Fp8Experts(nn.Module):
             e = ids[a : a + DEQUANT_CHUNK]
             gu, s = self.gate_up_proj.index_select(0, e), self.gate_up_proj_scale_inv.index_select(0, e)
             b = a + e.numel()
-            gate_up[a:b, :I] = dequantize_blocks(gu[:, :I], s[:, :gi], self.dtype)  # gate and up rows are separate
-            gate_up[a:b, I:] = dequantize_blocks(gu[:, I:], s[:, gi:], self.dtype)  # tensors with their own grids
-            down[a:b] = dequantize_blocks(self.down_proj.index_select(0, e), self.down_proj_scale_inv.index_select(0, e),
-                                          self.dtype)  # fmt: skip
+            # gate and up rows were separate tensors on disk, each with its own grid
+            gate_up[a:b, :I] = dequantize_blocks(gu[:, :I], s[:, :gi], self.dtype)
+            gate_up[a:b, I:] = dequantize_blocks(gu[:, I:], s[:, gi:], self.dtype)
+            dq, ds = self.down_proj.index_select(0, e), self.down_proj_scale_inv.index_select(0, e)
+            down[a:b] = dequantize_blocks(dq, ds, self.dtype)
         return gate_up, down
 
     def forward(self, x, experts, weights, fused: bool = False, static=False) -> torch.Tensor:
