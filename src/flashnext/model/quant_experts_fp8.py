@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from flashnext.model.moe import Experts
-from flashnext.ops.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_blocks
+from flashnext.ops.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_blocks
 
 DEQUANT_CHUNK = 16  # experts dequantised at once (bounds the fp32 temporaries to 16 experts' worth)
 
@@ -77,6 +77,23 @@ class Fp8Experts(nn.Module):
         self.register_buffer("down_proj", torch.empty(E, D, I, dtype=FP8_DTYPE, device=device))
         self.register_buffer("gate_up_proj_scale_inv", torch.ones(E, 2 * gi, gd, dtype=scale_dtype, device=device))
         self.register_buffer("down_proj_scale_inv", torch.ones(E, gd, gi, dtype=scale_dtype, device=device))
+
+    requantized = ("gate_up_proj", "down_proj")  # a weight update in a float dtype is requantised into these
+
+    @torch.no_grad()
+    def requantize_(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Experts `[start, start + n)` of `name` (`gate_up_proj` rows [n, 2I, D] or `down_proj` [n, D, I]) given in
+        a float dtype (a trainer's weights): quantised in place with fresh block scales, gate and up separately."""
+        I = self.width
+        q_all, s_all = self._buffers[name], self._buffers[f"{name}_scale_inv"]
+        halves = 2 if name == "gate_up_proj" else 1
+        g = s_all.shape[1] // halves
+        for i in range(rows.shape[0]):
+            for h in range(halves):
+                part = rows[i, h * I : (h + 1) * I] if halves == 2 else rows[i]
+                q, s = quantize_blocks(part.to(q_all.device), scale_dtype=s_all.dtype)
+                q_all[start + i, h * I : h * I + q.shape[0]] = q
+                s_all[start + i, h * g : (h + 1) * g] = s
 
     def _apply(self, fn, recurse: bool = True):
         # A byte view of each buffer goes through `fn`: moves and to_empty apply, dtype casts do not (the compute
