@@ -74,3 +74,22 @@ def test_a_bad_piece_leaves_the_fp8_experts_untouched(checkpoints):  # noqa: F81
     assert torch.equal(experts.gate_up_proj[1, :128].float(), gq.float())
     assert torch.equal(experts.gate_up_proj_scale_inv[1, :1], gs)
     assert torch.equal(experts.gate_up_proj[2], before[GATE_UP][2])  # experts outside the piece unchanged
+
+
+def test_the_engine_serves_fp8_experts_as_the_dequantised_twin(checkpoints):  # noqa: F811
+    """Serving (prefill chunks, decode steps, fused GEMMs) with FP8 experts gives the twin's greedy tokens and
+    log-probs (the twin: every expert dequantised into plain `Experts`; fp32 rounding of other GEMM shapes)."""
+    from flashnext.model.quant_experts_fp8 import reference_experts
+    from flashnext.serve.engine import Engine
+    from flashnext.serve.sampling import SamplingParams
+
+    fp8 = flashnext.from_pretrained(checkpoints[1])
+    twin = flashnext.from_pretrained(checkpoints[1])
+    for layer in twin.model.layers:
+        layer.mlp.experts = reference_experts(layer.mlp.experts)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11, 12, 13]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    got, want = (Engine(m, None, 4, 64, 8).generate(prompts, params) for m in (fp8, twin))
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) <= 1e-4
