@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from flashnext.checkpoint.files import checkpoint_files, read_headers
+from flashnext.checkpoint.fp8_weights import fp8_expert_layers
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
+from flashnext.model.quant_experts_fp8 import use_fp8_experts
 from flashnext.model.text import FlashNextForCausalLM
 from flashnext.ngram import DEFAULT_RESIDENT_MB, fill_quantized_tables, prepare_ngram_storage
 
@@ -109,6 +111,8 @@ def from_pretrained(
     model = _on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
+    if fp8_layers := fp8_expert_layers(path, cfg, style):  # the official FP8 checkpoint: experts stay FP8
+        use_fp8_experts(model, fp8_layers, dtype)
     if model.mtp is not None and not _stores_mtp(path):
         # The config declares an MTP head but the checkpoint has none (converters that drop `mtp.*` keep the
         # config): load the trunk without a draft head rather than refuse the checkpoint.

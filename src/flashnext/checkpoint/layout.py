@@ -46,6 +46,10 @@ EXTRA_PREFIXES = ("mtp.", "model.visual.")
 
 _GATE_UP = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.gate_up_proj$")
 _DOWN = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.down_proj$")
+# FP8 experts (`model/quant_experts_fp8.py`): the block multipliers of the stacked weights, stored per expert as
+# `...experts.{e}.{gate,up,down}_proj.weight_scale_inv` (gate grid rows, then up grid rows, in `gate_up`).
+_GATE_UP_SCALE = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.gate_up_proj_scale_inv$")
+_DOWN_SCALE = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.down_proj_scale_inv$")
 _NGRAM_TABLE = re.compile(r"^(?P<pre>.+\.ple_embedding\.ngram_embedding)\.weight$")
 NGRAM_SHARD = re.compile(r"^(?P<pre>.+\.ple_embedding\.ngram_embedding)\.shard_(?P<j>\d+)\.weight$")
 
@@ -163,19 +167,28 @@ def slots_for(our_key: str, shape: tuple[int, ...], *, style: str, split_ngram_p
     shape = tuple(shape)
     disk = to_disk_name(our_key, style)
     if m := _GATE_UP.match(disk):
-        n_exp, two_i, dim = shape
-        half = two_i // 2
-        out = []
-        for e in range(n_exp):
-            base = f"{m['pre']}.{e}"
-            out.append(Slot(f"{base}.gate_proj.weight", our_key, (half, dim), (e, slice(0, half))))
-            out.append(Slot(f"{base}.up_proj.weight", our_key, (half, dim), (e, slice(half, two_i))))
-        return out
+        return _gate_up_slots(our_key, m["pre"], shape, ".weight")
     if m := _DOWN.match(disk):
         return [Slot(f"{m['pre']}.{e}.down_proj.weight", our_key, shape[1:], (e,)) for e in range(shape[0])]
+    if m := _GATE_UP_SCALE.match(disk):
+        return _gate_up_slots(our_key, m["pre"], shape, ".weight_scale_inv")
+    if m := _DOWN_SCALE.match(disk):
+        return [Slot(f"{m['pre']}.{e}.down_proj.weight_scale_inv", our_key, shape[1:], (e,)) for e in range(shape[0])]
     if m := _NGRAM_TABLE.match(disk):
         return ngram_slots(our_key, m["pre"], shape, ngram_shard_rows(shape[0], split_ngram_parts))
     return [Slot(disk, our_key, shape)]
+
+
+def _gate_up_slots(our_key: str, disk_pre: str, shape: tuple[int, ...], suffix: str) -> list[Slot]:
+    """Per-expert gate / up slots of a stacked `[E, 2H, C]` tensor: rows `[:H]` are gate, `[H:]` up."""
+    n_exp, two_h, cols = shape
+    half = two_h // 2
+    out = []
+    for e in range(n_exp):
+        base = f"{disk_pre}.{e}"
+        out.append(Slot(f"{base}.gate_proj{suffix}", our_key, (half, cols), (e, slice(0, half))))
+        out.append(Slot(f"{base}.up_proj{suffix}", our_key, (half, cols), (e, slice(half, two_h))))
+    return out
 
 
 def ngram_slots(our_key: str, disk_pre: str, shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[Slot]:

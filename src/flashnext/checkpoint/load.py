@@ -29,6 +29,8 @@ from flashnext.errors import CheckpointError
 
 PREFIX_STYLES = ("auto", layout.TEXT, layout.COMPOSITE, layout.MULTIMODAL)
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NOT_FP8 = "not FP8 (only routed experts load as FP8, declared by config.json's quantization_config)"
 
 
 def shares_embedding(tensors: dict[str, torch.Tensor]) -> bool:
@@ -84,6 +86,9 @@ class _Matcher:
             elif dest.is_floating_point() != is_float_dtype(dtype):
                 want = "floating point" if dest.is_floating_point() else str(dest.dtype)
                 self.problems.append(f"wrong dtype: {key} is {_describe(shape, dtype)}, expected {want}")
+            elif (dest.dtype in _FP8_DTYPES) != dtype.startswith("F8_"):  # a cast would drop the block scales
+                want = "F8_E4M3 (the model keeps it in FP8)" if dest.dtype in _FP8_DTYPES else _NOT_FP8
+                self.problems.append(f"wrong dtype: {key} is {_describe(shape, dtype)}, expected {want}")
             else:
                 self.slots.append(slot)
         elif key in self.whole:
@@ -106,7 +111,8 @@ class _Matcher:
         our_key = self.whole[key]
         self.whole_found[our_key] = key  # present, even if mis-shaped: its split keys are not "missing"
         want = tuple(self.ours[our_key].shape)
-        if shape != want or not is_float_dtype(dtype):
+        fp8_experts = dtype.startswith("F8_") and our_key not in self.tables  # whole FP8 experts: no block scales
+        if shape != want or not is_float_dtype(dtype) or fp8_experts:
             self.problems.append(
                 f"mis-shaped: {key} is {_describe(shape, dtype)}, expected {list(want)} floating point"
             )

@@ -8,7 +8,7 @@ Commands (`flashnext` alone prints the help; an unknown one is an error with a d
     rl (`cli/rl.py`): `flashnext rl --config run.toml [--inference-url URL] [--section.field=value ...]`: rollouts,
         rewards, IPO steps and weight sync (its own parser, like train).
     convert, quantize (`cli/checkpoints.py`): a training checkpoint -> the official Hugging Face layout; a
-        checkpoint whose n-gram tables are FP8.
+        checkpoint in FP8 (`--weights fp8`: the official FP8 layout; `--ngram fp8`: only the n-gram tables).
     plan (`cli/plan.py`): the bytes of every part of a model from its config.json (+ safetensors headers), and
         whether it fits this machine; `serve` and `train` check the same plan before loading.
     demo, flops (`cli/demo.py`): build, save, reload and run the tiny model with self-checks; forward FLOPs of a
@@ -49,7 +49,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "convert": ("write a training checkpoint in the official Hugging Face layout", _add_convert_args, run_convert),
     "demo": ("build, save, reload and run the embedded tiny model (self-checks)", _add_demo_args, run_demo),
     "flops": ("forward FLOPs of a packed batch, per component", _add_flops_args, run_flops),
-    "quantize": ("write a checkpoint with FP8 n-gram tables", _add_quantize_args, run_quantize),
+    "quantize": ("write an FP8 checkpoint (--weights fp8) or FP8 n-gram tables", _add_quantize_args, run_quantize),
     "plan": ("memory plan of a checkpoint or config.json per part, and whether it fits", _add_plan_args, run_plan),
 }
 _RAW_ARGV = {"train", "rl"}  # commands handed their arguments unparsed

@@ -1,4 +1,5 @@
-"""`flashnext convert` (a training checkpoint -> the official layout) and `flashnext quantize` (FP8 n-gram tables)."""
+"""`flashnext convert` (a training checkpoint -> the official layout) and `flashnext quantize` (FP8 n-gram tables,
+or the official FP8 checkpoint with `--weights fp8`)."""
 
 from __future__ import annotations
 
@@ -27,17 +28,37 @@ def run_convert(args: argparse.Namespace) -> None:
 
 
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ngram", choices=["fp8"], required=True, help="n-gram table format: fp8 (F8_E4M3 + scale)")
-    p.add_argument("src", metavar="IN", help="checkpoint directory with BF16/F16/F32 n-gram tables")
+    p.add_argument("--ngram", choices=["fp8"], help="n-gram table format: fp8 (F8_E4M3 + scale); the rest as is")
+    p.add_argument("--weights", choices=["fp8"], help="fp8: the official FP8 checkpoint (routed experts in 128x128 "
+                   "block FP8, n-gram tables FP8, the rest as is, quantization_config in config.json)")
+    p.add_argument("src", metavar="IN", help="checkpoint directory with BF16/F16/F32 weights")
     p.add_argument("dst", metavar="OUT", help="output directory (other tensors and files copied unchanged)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT directory whole")
 
 
 def run_quantize(args: argparse.Namespace) -> None:
     from flashnext.checkpoint.quantize import quantize_checkpoint
+    from flashnext.errors import InputError
 
     start = time.perf_counter()
+    if args.weights and args.ngram:
+        raise InputError("quantize: give --weights or --ngram, not both (--weights fp8 puts the n-gram tables in FP8)")
+    if args.weights:
+        _run_quantize_weights(args, start)
+        return
+    if not args.ngram:
+        raise InputError("quantize: say what to quantise: --weights fp8 or --ngram fp8")
     scales = quantize_checkpoint(args.src, args.dst, ngram=args.ngram, overwrite=args.overwrite)
     for table, scale in scales.items():
         print(f"{table}: F8_E4M3, weight_scale {scale:.6g}")
     print(f"wrote {args.dst} in {time.perf_counter() - start:.1f}s ({len(scales)} table(s) in FP8)")
+
+
+def _run_quantize_weights(args: argparse.Namespace, start: float) -> None:
+    from flashnext.checkpoint.quantize_weights import quantize_weights
+
+    done = quantize_weights(args.src, args.dst, weights=args.weights, overwrite=args.overwrite)
+    for table, scale in done["tables"].items():
+        print(f"{table}: F8_E4M3, weight_scale {scale:.6g}")
+    print(f"wrote {args.dst} in {time.perf_counter() - start:.1f}s ({done['experts']} expert matrices in 128x128 "
+          f"block FP8, {len(done['tables'])} table(s) in FP8)")

@@ -3,7 +3,8 @@
 A piece is a tensor, or rows `[start, start + n)` of one along dim 0 (how an n-gram table travels: by row shard,
 each trainer rank sending the rows it owns, never the whole table; large tensors are cut the same way). Every piece
 is checked against the model (`check_piece`: its name, its rows and shape, its dtype, which must be the model
-tensor's own: a payload of another dtype is refused, never cast) before any piece is copied, so a bad piece leaves the
+tensor's own: a payload of another dtype is refused, never cast, except a float piece for a tensor held quantised,
+which is requantised on arrival: `Targets.requantize`) before any piece is copied, so a bad piece leaves the
 model untouched. Copies are `copy_` into the model's parameters and buffers (no model-sized copy on the device); the
 fused serving weights (`model/fused.py`) notice the in-place change (version counter) and rebuild on their next use.
 
@@ -25,6 +26,7 @@ header as it completes and writes the payload straight into the piece's tensor.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -54,9 +56,23 @@ class WeightPiece(NamedTuple):
     start: int = 0
 
 
-def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+class Targets(dict):
+    """{state-dict name: tensor}, and `requantize`: {name: fn(start, rows)} for tensors a module holds quantised
+    (`requantized` names and a `requantize_(name, start, rows)` method, e.g. `Fp8Experts`): those take pieces in any
+    float dtype and quantise them on arrival, in the same all-or-nothing update."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__({**dict(model.named_buffers()), **dict(model.named_parameters())})
+        self.requantize = {
+            f"{prefix}.{name}" if prefix else name: functools.partial(module.requantize_, name)
+            for prefix, module in model.named_modules()
+            for name in getattr(module, "requantized", ())
+        }
+
+
+def weight_targets(model: nn.Module) -> Targets:
     """Every parameter and buffer of `model` by its state-dict name (what a piece's `name` refers to)."""
-    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return Targets(model)
 
 
 def check_piece(targets: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape, start: int = 0) -> int:
@@ -69,7 +85,7 @@ def check_piece(targets: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
     dst, shape = targets.get(name), tuple(shape)
     if dst is None:
         raise InputError(f"weight update: the model has no tensor {name!r}")
-    if dtype != dst.dtype:
+    if dtype != dst.dtype and not (dtype.is_floating_point and name in getattr(targets, "requantize", {})):
         raise InputError(f"weight update: {name} is {str(dst.dtype).removeprefix('torch.')} in the model, got a "
                          f"{str(dtype).removeprefix('torch.')} piece (send it in the model's dtype)")  # fmt: skip
     if dst.dim() == 0 or len(shape) == 0:
@@ -90,6 +106,9 @@ def _copy(targets: dict[str, torch.Tensor], piece: WeightPiece) -> int:
     """Copy one checked piece into its target in place; returns the bytes written."""
     name, src, start = piece
     dst = targets[name]
+    if src.dtype != dst.dtype:  # a quantised tensor (check_piece allowed it): requantised from the float rows
+        targets.requantize[name](start, src)
+        return src.numel() * dst.element_size()
     rows = dst if dst.dim() == 0 else dst[start : start + src.shape[0]]
     rows.copy_(src)
     return rows.numel() * rows.element_size()
