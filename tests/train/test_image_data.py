@@ -59,7 +59,8 @@ def test_shipped_rows_load_by_path_and_base64_with_loss_on_the_answer_only(tok, 
     assert ex.input_ids[start : start + 6] == [VS, IMG, IMG, IMG, IMG, VE]  # 16 x 16 -> 4 x 4 patches -> 4 tokens
     labelled = [t for t, lab in zip(ex.input_ids, ex.labels, strict=True) if lab != IGNORE]
     answer = json.loads(open(SHIPPED / "train.jsonl").readline())["messages"][1]["content"]
-    assert tok.decode(labelled, skip_special_tokens=False).startswith(answer)
+    # the generation prompt opens the think block: the labelled answer closes it (empty), then answers
+    assert tok.decode(labelled, skip_special_tokens=False).startswith("\n</think>\n\n" + answer)
     assert all(lab == IGNORE for t, lab in zip(ex.input_ids, ex.labels, strict=True) if t in (VS, VE, IMG))
     assert ex.images.image_grid_thw.tolist() == [[1, 4, 4]] and ex.images.pixel_values.shape[0] == 16
 

@@ -15,13 +15,13 @@ import torch
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
 from flashnext.serve.loading import max_token_bytes
-from flashnext.serve.logit_controls import check_token_ids
 from flashnext.serve.request import Request
 from flashnext.serve.sampling import (
     MAX_SPECULATIVE_TOKENS,
     FieldError,
     SamplingParams,
     check_text,
+    check_token_ids,
     choice_seed,
     random_seed,
 )

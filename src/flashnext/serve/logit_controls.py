@@ -1,7 +1,7 @@
 """Penalties and logit controls: what a request's history and its own settings do to its logits before sampling.
 
-As OpenAI and vLLM define them (`SamplingParams` fields; their checks: `check_params`), applied in this order to a
-row of next-token logits `x` (fp32), where `c[t]` counts token t in the request's generated tokens before the
+As OpenAI and vLLM define them (`SamplingParams` fields, checked by `sampling.check_controls`), applied in this
+order to a row of next-token logits `x` (fp32), where `c[t]` counts token t in the request's generated tokens before the
 position (drafts ahead of it included under speculation) and `seen[t]` is whether t is in its prompt or in those:
 1. `logit_bias` {token id: b in [-100, 100]}: `x[t] += b`;
 2. `min_tokens`: while fewer tokens than that are generated, EOS (unless `ignore_eos`) and every `stop_token_ids`
@@ -31,58 +31,11 @@ Legend: R rows of the step, m of them controlled, V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from flashnext.serve.sampling import FieldError, mode_logprobs
+from flashnext.serve.sampling import mode_logprobs
 
-__all__ = ["LogitControls", "check_params", "check_token_ids", "controlled", "reported_logprobs"]
-
-PENALTY_LIMIT = 2.0
-LOGIT_BIAS_LIMIT = 100.0
-
-
-def _number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_params(p) -> None:
-    """`FieldError` naming the first bad control of `SamplingParams` p (ranges as OpenAI / vLLM)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
-        if not _number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
-            raise FieldError(f"{name} must be a number in [-2, 2], got {v!r}", name)
-    r = p.repetition_penalty
-    if not _number(r) or r <= 0:
-        raise FieldError(f"repetition_penalty must be a finite number > 0, got {r!r}", "repetition_penalty")
-    if not _number(p.min_p) or not 0.0 <= p.min_p <= 1.0:
-        raise FieldError(f"min_p must be a number in [0, 1], got {p.min_p!r}", "min_p")
-    if not _int(p.min_tokens) or p.min_tokens < 0:
-        raise FieldError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}", "min_tokens")
-    if _int(p.max_tokens) and p.min_tokens > p.max_tokens:
-        raise FieldError(f"min_tokens={p.min_tokens} is more than max_tokens={p.max_tokens}", "min_tokens")
-    if p.logit_bias is None:
-        return
-    if not isinstance(p.logit_bias, dict):
-        raise FieldError(f"logit_bias must map token ids to numbers, got {p.logit_bias!r}", "logit_bias")
-    for t, b in p.logit_bias.items():
-        if not _int(t) or t < 0:
-            raise FieldError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}", "logit_bias")
-        if not _number(b) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
-            raise FieldError(f"logit_bias[{t}] must be a number in [-100, 100], got {b!r}", "logit_bias")
-
-
-def check_token_ids(p, vocab: int) -> None:
-    """`FieldError` for a `logit_bias` token id outside the vocabulary [0, vocab)."""
-    bad = sorted(t for t in (p.logit_bias or {}) if t >= vocab)
-    if bad:
-        raise FieldError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})", "logit_bias")
-
+__all__ = ["LogitControls", "controlled", "reported_logprobs"]
 
 def controlled(p) -> bool:
     """Whether `SamplingParams` p changes the logits here (`min_p` is a truncation, applied by the sampler)."""

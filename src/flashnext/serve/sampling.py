@@ -151,9 +151,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise FieldError(f"stop[{i}] must be a non-empty string, got {s!r}", f"stop[{i}]")
             check_text(s, f"stop[{i}]")
-        from flashnext.serve.logit_controls import check_params  # that module builds on this one
-
-        check_params(self)
+        check_controls(self)
 
 
 def _is_int(x) -> bool:
@@ -271,3 +269,45 @@ def target_probs(row: torch.Tensor, row_max: torch.Tensor, p: SamplingParams) ->
         drop[0] = False
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
     return probs
+
+
+# ---- the logit controls' checks (`serve.logit_controls` applies them) ----
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_controls(p) -> None:
+    """`FieldError` naming the first bad control of `SamplingParams` p (ranges as OpenAI / vLLM)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _finite(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+            raise FieldError(f"{name} must be a number in [-2, 2], got {v!r}", name)
+    r = p.repetition_penalty
+    if not _finite(r) or r <= 0:
+        raise FieldError(f"repetition_penalty must be a finite number > 0, got {r!r}", "repetition_penalty")
+    if not _finite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        raise FieldError(f"min_p must be a number in [0, 1], got {p.min_p!r}", "min_p")
+    if not _is_int(p.min_tokens) or p.min_tokens < 0:
+        raise FieldError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}", "min_tokens")
+    if _is_int(p.max_tokens) and p.min_tokens > p.max_tokens:
+        raise FieldError(f"min_tokens={p.min_tokens} is more than max_tokens={p.max_tokens}", "min_tokens")
+    if p.logit_bias is None:
+        return
+    if not isinstance(p.logit_bias, dict):
+        raise FieldError(f"logit_bias must map token ids to numbers, got {p.logit_bias!r}", "logit_bias")
+    for t, b in p.logit_bias.items():
+        if not _is_int(t) or t < 0:
+            raise FieldError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}", "logit_bias")
+        if not _finite(b) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise FieldError(f"logit_bias[{t}] must be a number in [-100, 100], got {b!r}", "logit_bias")
+
+
+def check_token_ids(p, vocab: int) -> None:
+    """`FieldError` for a `logit_bias` token id outside the vocabulary [0, vocab)."""
+    bad = sorted(t for t in (p.logit_bias or {}) if t >= vocab)
+    if bad:
+        raise FieldError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})", "logit_bias")

@@ -175,7 +175,8 @@ def parse_record(
         ex = _pretokenized(record)
     elif "messages" in keys and has_images(record["messages"]):
         _need(tokenizer, "apply_chat_template", '"messages"')
-        ex = image_messages(record["messages"], tokenizer, images)
+        ids, labels, row_images = image_messages(record["messages"], tokenizer, images, IGNORE)
+        ex = Example(ids, labels, images=row_images)
     elif "messages" in keys:
         ex = _messages(record["messages"], tokenizer)
     elif {"prompt", "completion"} <= keys:

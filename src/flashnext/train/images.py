@@ -74,10 +74,9 @@ def has_images(messages: Any) -> bool:
     )  # fmt: skip
 
 
-def image_messages(messages: list, tokenizer: Any, rows: ImageRows | None):
-    """One image row -> an `Example` with its `RowImages` (see the module docstring); `InputError` if bad."""
-    from flashnext.train.data import IGNORE, Example
-
+def image_messages(messages: list, tokenizer: Any, rows: ImageRows | None, ignore: int = -100):
+    """One image row -> (input ids, labels (`ignore` off the answers), its `RowImages`) for `train.data`'s
+    `Example` (see the module docstring); `InputError` if bad."""
     if rows is None or getattr(rows.model_config, "vision_config", None) is None:
         raise InputError("the row has image content parts but the model has no vision tower (a text model)")
     texts, sources = _flatten(messages)
@@ -109,18 +108,18 @@ def image_messages(messages: list, tokenizer: Any, rows: ImageRows | None):
         if full[a:b] == SENTINEL:
             piece = image_span(next(spans), cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
             ids += piece
-            labels += [IGNORE] * len(piece)
+            labels += [ignore] * len(piece)
             continue
         piece = list(tokenizer.encode(full[a:b]))
         ids += piece
-        labels += piece if any(s <= a and b <= e for s, e in labelled) else [IGNORE] * len(piece)
+        labels += piece if any(s <= a and b <= e for s, e in labelled) else [ignore] * len(piece)
     if rows.max_tokens is not None and len(ids) > rows.max_tokens:
         raise InputError(
             f"the row has {len(ids)} tokens ({sum(inputs.num_tokens)} image placeholders) > token_budget="
             f"{rows.max_tokens}: too many image tokens for the sequence (lower data.image_max_pixels or raise "
             "data.token_budget)"
         )
-    return Example(ids, labels, images=_row_images(ids, inputs, cfg))
+    return ids, labels, _row_images(ids, inputs, cfg)
 
 
 def _flatten(messages: list) -> tuple[list[dict], list[str]]:
