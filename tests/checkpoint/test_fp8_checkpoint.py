@@ -1,6 +1,6 @@
 """The official FP8 checkpoint: `quantize --weights fp8` writes it, `from_pretrained` keeps its routed experts in
 block FP8, `save_pretrained` writes it back byte for byte, and what we cannot load exactly is refused by key.
-(transformers' reading of the same files: `tests/reference/test_fp8_checkpoint.py`.)"""
+(transformers' reading of the same files: `tests/reference/test_fp8_checkpoint_vs_transformers.py`.)"""
 
 from __future__ import annotations
 
