@@ -107,6 +107,7 @@ class Request:
     num_verify_steps: int = 0
     prompt_logprobs: list[float | None] | None = None  # per prompt position (shared by the choices), when asked
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    constraint: object | None = None  # `serve.grammar.Constraint` of a structured-output request (per choice)
 
     @property
     def num_tokens(self) -> int:

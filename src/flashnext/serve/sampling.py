@@ -76,6 +76,8 @@ class SamplingParams:
         num_speculative_tokens: draft tokens the model's MTP head proposes per step for this request, verified in
             one step of the model (0 = off; None = the engine's default). The output distribution is the same
             either way (greedy: the same tokens, up to float rounding of near ties).
+        structured: a `serve.structured.Structured` constraint (JSON schema, regex, choice, grammar, tool calls)
+            the output must match (`serve.grammar` masks the logits), or None.
     """
 
     max_tokens: int = 16
@@ -92,6 +94,7 @@ class SamplingParams:
     return_routed_experts: bool = False
     num_speculative_tokens: int | None = None
     prompt_logprobs: int | None = None
+    structured: object | None = None
 
     @property
     def greedy(self) -> bool:
