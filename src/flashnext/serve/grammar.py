@@ -94,7 +94,7 @@ class Grammars:
         from the cache or compiled in the pool; `FieldError` naming `field` when it does not compile or takes
         longer than `timeout_s`."""
         require(field)
-        key = json.dumps(fmt, sort_keys=True)
+        key = json.dumps(fmt)  # not sorted: a schema's property order is the order the output follows
         with self._lock:
             fut = self._cache.get(key)
             if fut is None:

@@ -39,6 +39,9 @@ UNENFORCED = ("not", "if", "then", "else", "allOf", "dependentRequired", "depend
 FORMATS = ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
            "uuid", "json-pointer")  # fmt: skip
 """String `format`s xgrammar enforces; any other is refused."""
+MAX_WHITESPACE = 16
+"""Longest whitespace run allowed between JSON tokens (and around XML tool parameters): enough for a document
+indented 2 spaces per level down to 7 levels, and a weak model cannot loop on newlines forever."""
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "additionalItems")
@@ -101,7 +104,7 @@ def _response_format(rf) -> Structured:
         raise FieldError(f"response_format must be an object, got {_show(rf)}", "response_format")
     kind = rf.get("type")
     if kind == "json_object":
-        return Structured({"type": "json_schema", "json_schema": {"type": "object"}}, "response_format")
+        return _json({"type": "object"}, "response_format")
     if kind != "json_schema":
         raise FieldError(
             f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_show(kind)}",
@@ -131,7 +134,7 @@ def _kind(kind: str, value, field: str) -> Structured:
     if kind == "json":
         return _json(value, field)
     if kind == "json_object":
-        return Structured({"type": "json_schema", "json_schema": {"type": "object"}}, field)
+        return _json({"type": "object"}, field)
     if kind in ("regex", "grammar"):
         if not isinstance(value, str) or not value:
             raise FieldError(f"{field} must be a non-empty string, got {_show(value)}", field)
@@ -159,7 +162,33 @@ def _json_value(value, field: str):
 def _json(value, field: str) -> Structured:
     schema = _json_value(value, field)
     check_schema(schema, field)
-    return Structured({"type": "json_schema", "json_schema": schema}, field)
+    fmt = {"type": "json_schema", "json_schema": bounded_strings(schema), "max_whitespace_cnt": MAX_WHITESPACE}
+    return Structured(fmt, field)
+
+
+def bounded_strings(node):
+    """`node` with every length-bounded plain string (`minLength` / `maxLength`, no pattern, format, enum or
+    const) given the same bounds as a `pattern` over unescaped characters: xgrammar 0.2.9 lets raw control
+    characters (U+0000-U+001F but \\n, \\r) into such strings, which is not JSON (measured; without the bounds,
+    or with a pattern, it does not). The output is narrowed to strings without quotes, backslashes or control
+    characters, which every such schema still accepts."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_strings(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_strings(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = bounded_strings(out[key])
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and out.get("type") == "string" and not any(k in out for k in ("pattern", "format", "enum", "const")):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = '^[^"\\\\\\x00-\\x1f]{' + f"{lo},{hi}" + "}$"
+    return out
 
 
 def check_schema(schema, field: str) -> None:
@@ -264,17 +293,23 @@ def _tool_constraint(body) -> Structured | None:
 
 def _qwen_xml_format(tools: list[dict], mode, parallel: bool) -> dict:
     """xgrammar's Qwen XML tool-call format for `tools` (without its reasoning part: `grammar_format` adds
-    ours). With `auto`, the calls of non-strict tools are held to any JSON object, the strict ones to their
-    schema."""
+    ours): `auto` lets text and calls mix (the calls of non-strict tools held to any object, the strict ones to
+    their schema); `required` is one or more calls and nothing else; a named function is one call of it."""
     fns = []
     for t in tools:
         fn = {"name": t["function"]["name"], "parameters": t["function"].get("parameters") or {"type": "object"}}
         if mode == "auto" and not _strict(t):
             fn["parameters"] = {"type": "object"}
         fns.append({"type": "function", "function": fn})
-    tag = grammar.xgr.get_model_structural_tag(grammar.QWEN_XML, tools=fns, tool_choice=mode, reasoning="disabled",
-                                               parallel_tool_calls=parallel)  # fmt: skip
-    return tag.model_dump(mode="json")["format"]
+    tag = grammar.xgr.get_model_structural_tag(
+        grammar.QWEN_XML, tools=fns, tool_choice=mode, reasoning="disabled", parallel_tool_calls=parallel,
+        max_whitespace_cnt=MAX_WHITESPACE,
+    )  # fmt: skip
+    fmt = tag.model_dump(mode="json")["format"]
+    if mode == "required":  # calls only, one per line, as the template asks ("ONLY reply ... with NO suffix")
+        fmt = {"type": "tags_with_separator", "tags": fmt["tags"], "separator": "\n", "at_least_one": True,
+               "stop_after_first": not parallel}  # fmt: skip
+    return fmt
 
 
 # ---- the grammar of a request ---------------------------------------------------------------------------------
