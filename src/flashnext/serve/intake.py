@@ -8,6 +8,7 @@ client's field where there is one) before anything is queued.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -50,6 +51,7 @@ class Intake:
         self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
         self._ids = itertools.count()
         self._grammars: grammar.Grammars | None = None
+        self._grammars_lock = threading.Lock()  # requests are built on the HTTP handlers' worker threads
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids (`encode_prompt`)."""
@@ -85,11 +87,12 @@ class Intake:
 
     def grammars(self) -> grammar.Grammars:
         """The engine's grammar compiler (`serve.grammar`), made on the first structured request."""
-        if self._grammars is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            eos = eos if eos is not None else self.model.config.eos_id
-            self._grammars = grammar.Grammars(self.tokenizer, self.model.config.vocab_size, eos)
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                eos = eos if eos is not None else self.model.config.eos_id
+                self._grammars = grammar.Grammars(self.tokenizer, self.model.config.vocab_size, eos)
+            return self._grammars
 
 
 def check_speculative(k, model) -> int:

@@ -95,8 +95,9 @@ def request_constraint(body) -> Structured | None:
         raise FieldError(f"{names} both constrain the output; give only one of them", sources[1][0])
     if not sources:
         return None
+    spec = sources[0][1]()  # its own checks first: a malformed request is refused for that, library or not
     grammar.require(sources[0][0])
-    return sources[0][1]()
+    return spec
 
 
 def _response_format(rf) -> Structured:

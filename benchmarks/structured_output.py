@@ -1,0 +1,214 @@
+"""Structured outputs: what a grammar costs per token, how long a grammar takes to compile, and whether every
+constrained output is valid; batch 1 and 16, the bundled tokenizer and a >= 32k-id one.
+
+Model: the 31M config of `benchmarks/model_vs_reference.py` with one MTP layer, seeded random weights (vocab: the
+config's 16,384, or the tokenizer's size when larger). Tokenizers: the bundled one (512 ids) and a byte-level BPE
+of `--big-vocab` ids (default 32,768) trained here with `tokenizers` on generated text (words, numbers, JSON
+snippets; a few seconds).
+
+Per tokenizer and batch b in (1, 16), b prompts, greedy (the model is random, so greedy is as informative as
+sampling and makes every run repeatable), in each of `--repeats` rounds, alternating in one process:
+- json: `response_format` json_schema (`SCHEMA`: a list of 2-4 records), stopping at EOS once the JSON is done;
+- tool: `tool_choice: "required"` over two tools, in the model's XML dialect (`TOOLS`);
+- free (after each): the same prompts unconstrained, each request held to exactly the number of tokens its
+  constrained twin generated (EOS ignored), so both runs do the same model work in the same ragged batches and
+  differ only by the grammar (masks, accepting tokens).
+Printed per (tokenizer, batch, kind): tok/s constrained and free (medians), the overhead as the median over rounds
+of each round's time ratio minus 1, median time to first token, validity (JSON parsed and checked by `jsonschema`;
+tool calls parsed and their arguments checked against the tool's schema). Then the compile time of each grammar
+with a cold cache (time to first mask; the vocabulary's first preparation is printed apart) and a speculation
+check: the json and tool requests again with k = 3 MTP drafts per step, tokens compared with k = 0.
+
+Last line: `constrained_overhead_b1=<x> constrained_overhead_b16=<y> valid_rate=<v> grammar_compile_ms=<c>
+spec_constrained_identical=<yes|no>`: the overheads are the worst over kinds and tokenizers, the compile time the
+slowest cold compile. Numbers on the shared 2-core box are indicative (say the load when quoting them).
+
+    python benchmarks/structured_output.py                  # ~5 minutes on 2 threads
+    python benchmarks/structured_output.py --repeats 1 --max-tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jsonschema
+import tokenizers
+import torch
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from flashnext.config import parse_config
+from flashnext.model.text import FlashNextForCausalLM
+from flashnext.serve.engine import Engine
+from flashnext.serve.sampling import SamplingParams
+from flashnext.serve.structured import StructuredFields, request_constraint
+from flashnext.tokenizer import Tokenizer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = {
+    "type": "array", "minItems": 2, "maxItems": 4,
+    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "ok"], "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999}, "name": {"type": "string", "maxLength": 10},
+        "ok": {"type": "boolean"}}},
+}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}}, "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string", "maxLength": 16}}, "required": ["query"]}}},
+]  # fmt: skip
+PARAM = r"<parameter=([^>\s]+)>(.*?)</parameter>"
+CALL = rf"<tool_call>\s*<function=([^>\s]+)>\s*((?:{PARAM}\s*)*)</function>\s*</tool_call>"
+
+
+class Body(StructuredFields):
+    response_format: dict | None = None
+    tools: list | None = None
+
+
+def specs() -> dict:
+    return {
+        "json": request_constraint(Body(response_format={"type": "json_schema", "json_schema": {"name": "records",
+                                                                                               "schema": SCHEMA}})),
+        "tool": request_constraint(Body(tools=TOOLS, tool_choice="required")),
+    }  # fmt: skip
+
+
+def bench_model(vocab: int, seed: int = 0) -> FlashNextForCausalLM:
+    spec = importlib.util.spec_from_file_location("model_vs_reference", ROOT / "benchmarks" / "model_vs_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = {**module.CONFIG, "vocab_size": max(vocab, module.CONFIG["vocab_size"]), "mtp_num_hidden_layers": 1}
+    model = FlashNextForCausalLM(parse_config(cfg).text).eval()
+    model.init_weights(seed)
+    return model
+
+
+def big_tokenizer(size: int) -> Tokenizer:
+    """A byte-level BPE of `size` ids trained on generated text (fixed seed)."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 10))) for _ in range(80000)]
+    lines = [" ".join(rng.choice(words) for _ in range(10)) + f' {{"id": {rng.randint(0, 9999)}, "ok": true}}'
+             for _ in range(60000)]  # fmt: skip
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    backend.train_from_iterator(lines, trainer)
+    return Tokenizer(backend, {"eos_token": "<|endoftext|>"})
+
+
+def valid(kind: str, text: str) -> bool:
+    try:
+        if kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+            return True
+        if not re.fullmatch(rf"(?:\s*{CALL})+\s*", text, re.S):
+            return False
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for m in re.finditer(CALL, text, re.S):
+            args = {k: v.strip() for k, v in re.findall(PARAM, m.group(2), re.S)}
+            schema = schemas[m.group(1)]
+            typed = {k: int(v) if schema["properties"][k]["type"] == "integer" else v for k, v in args.items()}
+            jsonschema.validate(typed, schema)
+        return True
+    except (ValueError, KeyError, jsonschema.ValidationError):
+        return False
+
+
+def run(engine: Engine, prompts: list[str], params: list[SamplingParams]):
+    """(seconds, outputs, median time to first token)."""
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
+    dt = time.perf_counter() - t0
+    outs = [r.completion(True) for r in reqs]
+    return dt, outs, statistics.median(r.first_token_time - r.arrival for r in reqs)
+
+
+def bench(name: str, tok: Tokenizer, args, report: dict) -> None:
+    model = bench_model(tok.vocab_size)
+    engine = Engine(model, tok, max_slots=16, max_model_len=1024, max_num_batched_tokens=512)
+    t0 = time.perf_counter()
+    engine.intake.grammars().compiler()
+    print(f"[{name}] vocab {tok.vocab_size} (model {model.config.vocab_size}): grammar vocabulary prepared in "
+          f"{(time.perf_counter() - t0) * 1e3:.0f} ms")  # fmt: skip
+    kinds = specs()
+    for kind, spec in kinds.items():  # cold compiles (the first request of a grammar waits for this)
+        t0 = time.perf_counter()
+        engine.intake.grammars().compile(spec.content, kind)
+        ms = (time.perf_counter() - t0) * 1e3
+        report["compile_ms"].append(ms)
+        print(f"[{name}] compile {kind}: {ms:.1f} ms (time to first mask)")
+    for b in (1, 16):
+        prompts = [f"Request {i}: give the records of batch {b} as JSON." for i in range(b)]
+        for kind, spec in kinds.items():
+            ratios, tps_c, tps_f, ttft = [], [], [], []
+            for _ in range(args.repeats):
+                dt_c, outs, t_first = run(engine, prompts, [SamplingParams(max_tokens=args.max_tokens,
+                                          temperature=0.0, structured=spec) for _ in prompts])  # fmt: skip
+                lens = [len(o.token_ids) for o in outs]
+                free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+                dt_f, _, _ = run(engine, prompts, free)
+                ratios.append(dt_c / dt_f)
+                tps_c.append(sum(lens) / dt_c)
+                tps_f.append(sum(lens) / dt_f)
+                ttft.append(t_first)
+                report["valid"] += [valid(kind, o.text) and o.finish_reason == "stop" for o in outs]
+            over = statistics.median(ratios) - 1
+            report[f"b{b}"].append(over)
+            print(f"[{name}] batch={b} {kind}: tok/s constrained={statistics.median(tps_c):.1f} "
+                  f"free={statistics.median(tps_f):.1f} overhead={over:+.1%} "
+                  f"ttft={statistics.median(ttft) * 1e3:.0f}ms tokens={sum(lens)}")  # fmt: skip
+    same = True
+    for kind, spec in kinds.items():  # speculation: the same tokens with k = 3 drafts
+        prompts = [f"Request {i}: speculate." for i in range(4)]
+        outs = []
+        for k in (0, 3):
+            eng = Engine(model, tok, max_slots=4, max_model_len=1024, max_num_batched_tokens=512,
+                         num_speculative_tokens=k)  # fmt: skip
+            outs.append(eng.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                                                             structured=spec)))  # fmt: skip
+        same_kind = [a.token_ids for a in outs[0]] == [b.token_ids for b in outs[1]]
+        report["valid"] += [valid(kind, o.text) and o.finish_reason == "stop" for o in outs[1]]
+        print(
+            f"[{name}] speculation k=3 {kind}: same tokens as k=0: {'yes' if same_kind else 'no'} (drafts "
+            f"accepted {sum(o.num_accepted_tokens for o in outs[1])}/{sum(o.num_draft_tokens for o in outs[1])})"
+        )
+        same &= same_kind
+    report["same"] &= same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--big-vocab", type=int, default=32768)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = {"b1": [], "b16": [], "valid": [], "compile_ms": [], "same": True}
+    bench("bundled", load_tokenizer(), args, report)
+    t0 = time.perf_counter()
+    big = big_tokenizer(args.big_vocab)
+    print(f"trained a {big.vocab_size}-id byte-level BPE in {time.perf_counter() - t0:.1f}s")
+    bench(f"bpe{big.vocab_size}", big, args, report)
+    print(
+        f"constrained_overhead_b1={max(report['b1']):.3f} constrained_overhead_b16={max(report['b16']):.3f} "
+        f"valid_rate={sum(report['valid']) / len(report['valid']):.3f} "
+        f"grammar_compile_ms={max(report['compile_ms']):.1f} "
+        f"spec_constrained_identical={'yes' if report['same'] else 'no'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
