@@ -8,23 +8,25 @@ snippets; a few seconds).
 
 Per tokenizer and batch b in (1, 16), b prompts, greedy (the model is random, so greedy is as informative as
 sampling and makes every run repeatable), in each of `--repeats` rounds, alternating in one process:
-- json: `response_format` json_schema (`SCHEMA`: a list of 2-4 records), stopping at EOS once the JSON is done;
+- json: `response_format` json_schema (`SCHEMA`: a list of 2-4 records);
 - tool: `tool_choice: "required"` over two tools, in the model's XML dialect (`TOOLS`);
-- free (after each): the same prompts unconstrained, each request held to exactly the number of tokens its
-  constrained twin generated (EOS ignored), so both runs do the same model work in the same ragged batches and
-  differ only by the grammar (masks, accepting tokens).
-Printed per (tokenizer, batch, kind): tok/s constrained and free (medians), the overhead as the median over rounds
-of each round's time ratio minus 1, median time to first token, validity (JSON parsed and checked by `jsonschema`;
-tool calls parsed and their arguments checked against the tool's schema). Then the compile time of each grammar
-with a cold cache (time to first mask; the vocabulary's first preparation is printed apart) and a speculation
-check: the json and tool requests again with k = 3 MTP drafts per step, tokens compared with k = 0.
+- free (after each): the same prompts unconstrained.
+Every timed run generates exactly `--tokens` tokens per request (EOS ignored; a grammar that completes early
+leaves the rest free), so constrained and free runs do the same model work and differ only by the grammar (masks,
+accepting tokens). Printed per (tokenizer, batch, kind): tok/s constrained and free (medians), the overhead as the
+median over rounds of each round's time ratio minus 1, and the median time to first token. Then the compile time of
+each grammar with a cold cache (time to first mask; the vocabulary's first preparation is printed apart). Whole
+outputs (for the tokenizers in `--check`; the random model needs a few hundred tokens per output, which on the
+shared box takes minutes): `--check-prompts` per kind, until EOS, with k = 0 and k = 3 MTP drafts: each checked
+(JSON parsed and validated by `jsonschema`; tool calls parsed and their arguments validated against the tool's
+schema) and the k = 3 tokens compared with k = 0.
 
 Last line: `constrained_overhead_b1=<x> constrained_overhead_b16=<y> valid_rate=<v> grammar_compile_ms=<c>
 spec_constrained_identical=<yes|no>`: the overheads are the worst over kinds and tokenizers, the compile time the
 slowest cold compile. Numbers on the shared 2-core box are indicative (say the load when quoting them).
 
-    python benchmarks/structured_output.py                  # ~5 minutes on 2 threads
-    python benchmarks/structured_output.py --repeats 1 --max-tokens 200
+    python benchmarks/structured_output.py                  # minutes on 2 idle threads
+    python benchmarks/structured_output.py --repeats 1 --check bundled,big
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def run(engine: Engine, prompts: list[str], params: list[SamplingParams]):
     return dt, outs, statistics.median(r.first_token_time - r.arrival for r in reqs)
 
 
-def bench(name: str, tok: Tokenizer, args, report: dict) -> None:
+def bench(name: str, tok: Tokenizer, args, report: dict, check: bool) -> None:
     model = bench_model(tok.vocab_size)
     engine = Engine(model, tok, max_slots=16, max_model_len=1024, max_num_batched_tokens=512)
     t0 = time.perf_counter()
@@ -148,42 +150,44 @@ def bench(name: str, tok: Tokenizer, args, report: dict) -> None:
         engine.intake.grammars().compile(spec.content, kind)
         ms = (time.perf_counter() - t0) * 1e3
         report["compile_ms"].append(ms)
-        print(f"[{name}] compile {kind}: {ms:.1f} ms (time to first mask)")
+        print(f"[{name}] compile {kind}: {ms:.1f} ms (time to first mask)", flush=True)
     for b in (1, 16):
         prompts = [f"Request {i}: give the records of batch {b} as JSON." for i in range(b)]
+        for spec in (None, *kinds.values()):  # warm-up (first steps of a batch size, first masks), not timed
+            run(engine, prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, structured=spec)
+                                  for _ in prompts])  # fmt: skip
         for kind, spec in kinds.items():
             ratios, tps_c, tps_f, ttft = [], [], [], []
-            for _ in range(args.repeats):
-                dt_c, outs, t_first = run(engine, prompts, [SamplingParams(max_tokens=args.max_tokens,
-                                          temperature=0.0, structured=spec) for _ in prompts])  # fmt: skip
-                lens = [len(o.token_ids) for o in outs]
-                free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
-                dt_f, _, _ = run(engine, prompts, free)
+            for _ in range(args.repeats):  # the same token budget both ways, EOS ignored: only the grammar differs
+                fixed = dict(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+                dt_c, _, t_first = run(engine, prompts, [SamplingParams(**fixed, structured=spec) for _ in prompts])
+                dt_f, _, _ = run(engine, prompts, [SamplingParams(**fixed) for _ in prompts])
                 ratios.append(dt_c / dt_f)
-                tps_c.append(sum(lens) / dt_c)
-                tps_f.append(sum(lens) / dt_f)
+                tps_c.append(b * args.tokens / dt_c)
+                tps_f.append(b * args.tokens / dt_f)
                 ttft.append(t_first)
-                report["valid"] += [valid(kind, o.text) and o.finish_reason == "stop" for o in outs]
             over = statistics.median(ratios) - 1
             report[f"b{b}"].append(over)
             print(f"[{name}] batch={b} {kind}: tok/s constrained={statistics.median(tps_c):.1f} "
                   f"free={statistics.median(tps_f):.1f} overhead={over:+.1%} "
-                  f"ttft={statistics.median(ttft) * 1e3:.0f}ms tokens={sum(lens)}")  # fmt: skip
+                  f"ttft={statistics.median(ttft) * 1e3:.0f}ms", flush=True)  # fmt: skip
+    if not check:
+        return
     same = True
-    for kind, spec in kinds.items():  # speculation: the same tokens with k = 3 drafts
-        prompts = [f"Request {i}: speculate." for i in range(4)]
+    for kind, spec in kinds.items():  # whole outputs: valid, and the same tokens with k = 3 drafts
+        prompts = [f"Request {i}: check." for i in range(args.check_prompts)]
         outs = []
         for k in (0, 3):
             eng = Engine(model, tok, max_slots=4, max_model_len=1024, max_num_batched_tokens=512,
                          num_speculative_tokens=k)  # fmt: skip
-            outs.append(eng.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                                                             structured=spec)))  # fmt: skip
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec)
+            outs.append(eng.generate(prompts, params))
+            report["valid"] += [valid(kind, o.text) and o.finish_reason == "stop" for o in outs[-1]]
         same_kind = [a.token_ids for a in outs[0]] == [b.token_ids for b in outs[1]]
-        report["valid"] += [valid(kind, o.text) and o.finish_reason == "stop" for o in outs[1]]
-        print(
-            f"[{name}] speculation k=3 {kind}: same tokens as k=0: {'yes' if same_kind else 'no'} (drafts "
-            f"accepted {sum(o.num_accepted_tokens for o in outs[1])}/{sum(o.num_draft_tokens for o in outs[1])})"
-        )
+        print(f"[{name}] {kind} whole outputs: valid {sum(valid(kind, o.text) for o in outs[0] + outs[1])}/"
+              f"{2 * len(prompts)}, k=3 same tokens as k=0: {'yes' if same_kind else 'no'} (drafts accepted "
+              f"{sum(o.num_accepted_tokens for o in outs[1])}/{sum(o.num_draft_tokens for o in outs[1])}, "
+              f"{sum(len(o.token_ids) for o in outs[0])} tokens)", flush=True)  # fmt: skip
         same &= same_kind
     report["same"] &= same
 
@@ -192,16 +196,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per request in the timed runs")
+    parser.add_argument("--max-tokens", type=int, default=400, help="cap of the whole outputs checked")
+    parser.add_argument("--check-prompts", type=int, default=2, help="whole outputs per kind and k")
+    parser.add_argument("--check", default="bundled", help="tokenizers whose whole outputs are checked")
     parser.add_argument("--big-vocab", type=int, default=32768)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = {"b1": [], "b16": [], "valid": [], "compile_ms": [], "same": True}
-    bench("bundled", load_tokenizer(), args, report)
+    bench("bundled", load_tokenizer(), args, report, "bundled" in args.check)
     t0 = time.perf_counter()
     big = big_tokenizer(args.big_vocab)
     print(f"trained a {big.vocab_size}-id byte-level BPE in {time.perf_counter() - t0:.1f}s")
-    bench(f"bpe{big.vocab_size}", big, args, report)
+    bench(f"bpe{big.vocab_size}", big, args, report, "big" in args.check)
     print(
         f"constrained_overhead_b1={max(report['b1']):.3f} constrained_overhead_b16={max(report['b16']):.3f} "
         f"valid_rate={sum(report['valid']) / len(report['valid']):.3f} "
