@@ -181,6 +181,18 @@ def test_tool_choice_required_and_named_are_xml_calls_that_validate(model, tok):
                 assert name == "ping" and args == {}
 
 
+def test_which_tool_requests_are_constrained():
+    """`required` and a named function always; `auto` only with a strict tool (then calls are checked where they
+    appear, text around them free); `none` and plain `auto` never."""
+    strict = [TOOLS[0], {**TOOLS[1], "function": {**TOOLS[1]["function"], "strict": True}}]
+    assert spec_of(tools=TOOLS, tool_choice="auto") is None and spec_of(tools=TOOLS) is None
+    assert spec_of(tools=strict, tool_choice="none") is None
+    assert spec_of(tools=strict).content["type"] == "triggered_tags"
+    assert spec_of(tools=TOOLS, tool_choice="required").content["type"] == "tags_with_separator"
+    named = spec_of(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert named.content["type"] == "tag" and "<function=ping>" in named.content["begin"]
+
+
 def _think_chain(model, tok, prompt: str):
     """Make the random model close its think block: a bigram boost on the step's logits (by the fed token: the
     same in plain and speculative steps) walks from the prompt's last token through two reasoning tokens to
