@@ -152,27 +152,33 @@ class Constraint:
 
     def __init__(self, compiled, stop_ids: list[int]):
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_ids)) or None)
+        self.stops = frozenset(self.matcher.stop_token_ids)
+        self.ended = False  # a stop token was accepted (mirrors `is_terminated` without a call per token)
         self.tentative = 0  # drafts accepted while proposing (taken back by `end_drafts`)
         self.dead = False  # a proposed draft broke the grammar: later drafts of this proposal are not masked
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of `bitmask` (all ones once the grammar has ended)."""
-        if self.matcher.is_terminated():
+        if self.ended:
             bitmask[row].fill_(-1)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
-        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+        if self.ended or not self.matcher.accept_token(token):
+            return False
+        self.ended = token in self.stops  # the matcher ends exactly when it accepts a stop token
+        return True
 
     def rollback(self, n: int) -> None:
         if n:
             self.matcher.rollback(n)
+            self.ended = False  # a stop token is always the last accepted: taking any token back reopens
 
     @property
     def done(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.ended
 
 
 def allocate(rows: int, vocab_size: int) -> torch.Tensor:
