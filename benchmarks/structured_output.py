@@ -9,7 +9,8 @@ snippets; a few seconds).
 Per tokenizer and batch b in (1, 16), b prompts, greedy (the model is random, so greedy is as informative as
 sampling and makes every run repeatable), in each of `--repeats` rounds, alternating in one process:
 - json: `response_format` json_schema (`SCHEMA`: a list of 2-4 records);
-- tool: `tool_choice: "required"` over two tools, in the model's XML dialect (`TOOLS`);
+- tool: `tool_choice: "required"` over two tools, one call (`parallel_tool_calls: false`: a random model would
+  keep adding calls), in the model's XML dialect (`TOOLS`);
 - free (after each): the same prompts unconstrained.
 Every timed run generates exactly `--tokens` tokens per request (EOS ignored; a grammar that completes early
 leaves the rest free), so constrained and free runs do the same model work and differ only by the grammar (masks,
@@ -66,7 +67,8 @@ SCHEMA = {
 }  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}}, "required": ["city", "days"]}}},
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "required": ["city", "days"]}}},
     {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
         "query": {"type": "string", "maxLength": 16}}, "required": ["query"]}}},
 ]  # fmt: skip
@@ -83,7 +85,7 @@ def specs() -> dict:
     return {
         "json": request_constraint(Body(response_format={"type": "json_schema", "json_schema": {"name": "records",
                                                                                                "schema": SCHEMA}})),
-        "tool": request_constraint(Body(tools=TOOLS, tool_choice="required")),
+        "tool": request_constraint(Body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)),
     }  # fmt: skip
 
 
