@@ -287,10 +287,10 @@ REFUSALS = [
     ),  # fmt: skip
     C(
         CHAT,
-        _raw(model=M, messages=USER, response_format='{"type": "json_object"}'),
+        _raw(model=M, messages=USER, response_format='{"type": "yaml"}'),
         400,
-        ["response_format"],
-        "response_format",
+        ["response_format.type", "yaml"],
+        "response_format.type",
         id="chat-response_format",
     ),  # fmt: skip
     C(CHAT, _raw(model=M, messages=USER, n=9), 400, ["n=9"], "n", id="chat-n-over-slots"),

@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.serve import prompt_logprobs
+from flashnext.serve import grammar, prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.intake import Intake, check_speculative
@@ -292,7 +292,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """Sample row i of `logits` for `reqs[i]` and record it; a row that cannot be sampled ends its request."""
-        tokens, chosen, top, errors = self.sampler.sample(logits, reqs)
+        tokens, chosen, top, errors = self.sampler.sample(grammar.mask_rows(logits, reqs), reqs)
         for i, req in enumerate(reqs):
             if tokens[i] != FAILED:
                 self._emit(req, [tokens[i]], [chosen[i]] if chosen is not None else None, top, [i])
@@ -302,7 +302,11 @@ class Engine:
             self._finish(req, "error", msg)
 
     def _emit(self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]) -> None:
-        """Record `tokens` (`Sampler.emit`); then finish or notify the request."""
+        """Record `tokens` (`Sampler.emit`; a constrained request's grammar advances first); then finish or notify
+        the request."""
+        if (broken := grammar.accept_emitted(req, tokens)) is not None:
+            self._finish(req, "error", broken)
+            return
         reason, error = self.sampler.emit(req, tokens, chosen, top, rows)
         if reason is None:
             self._notify(req)

@@ -8,12 +8,14 @@ client's field where there is one) before anything is queued.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.multimodal import get_rope_index
+from flashnext.serve import grammar, structured
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.request import Request
 from flashnext.serve.sampling import (
@@ -49,6 +51,8 @@ class Intake:
         per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
         self.max_prompt_bytes = per_token * max_model_len if per_token is not None else None
         self._ids = itertools.count()
+        self._grammars: grammar.Grammars | None = None
+        self._grammars_lock = threading.Lock()  # requests are built on the HTTP handlers' worker threads
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids (`encode_prompt`)."""
@@ -78,7 +82,19 @@ class Intake:
             mrope = image_positions(self.model, ids, pixel_values, image_grid_thw)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         images = (pixel_values, image_grid_thw) if mrope is not None else None
-        return make_choices(rid, ids, params, self.device, on_update, group, mrope, images, spec_k)
+        parent = make_choices(rid, ids, params, self.device, on_update, group, mrope, images, spec_k)
+        if params.structured is not None:
+            structured.attach(parent, ids, self.grammars(), self.tokenizer)
+        return parent
+
+    def grammars(self) -> grammar.Grammars:
+        """The engine's grammar compiler (`serve.grammar`), made on the first structured request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                eos = eos if eos is not None else self.model.config.eos_id
+                self._grammars = grammar.Grammars(self.tokenizer, self.model.config.vocab_size, eos)
+            return self._grammars
 
 
 def check_speculative(k, model) -> int:

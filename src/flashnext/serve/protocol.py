@@ -1,7 +1,7 @@
 """OpenAI API request bodies (the subset served), their checks, and OpenAI-style error bodies.
 
 Nothing a client sends is silently dropped when it would change the answer: OpenAI parameters this server does
-not implement (`best_of`, `suffix`, tools, a non-text `response_format`) are
+not implement (`best_of`, `suffix`, legacy `functions`, `tools` on /v1/completions) are
 refused with a 400 naming them unless they hold their neutral default, and so is an unknown chat content part.
 Unknown extra fields (`user`, `metadata`, ...) are ignored: they do not change generation.
 """
@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.serve.sampling import FieldError, SamplingParams, check_text
+from flashnext.serve.structured import StructuredFields, request_constraint
 
 BadRequest = FieldError  # an invalid field: the 400's message names field and value, `field` is its `param`
 
@@ -25,7 +26,7 @@ def show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _Body(BaseModel):
+class _Body(StructuredFields):  # + structured_outputs, guided_*, tool_choice (`serve.structured`)
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -69,9 +70,8 @@ class _Body(BaseModel):
     def refuse_unsupported(self) -> None:
         """`BadRequest` for an OpenAI parameter this server would otherwise ignore."""
         unsupported = {
-            "tools": bool(self.tools),
+            "tools": bool(self.tools),  # chat requests serve them (`ChatRequest._unsupported`)
             "functions": bool(self.functions),
-            "response_format": self.response_format is not None and self.response_format.get("type") != "text",
             **self._unsupported(),
         }
         for name, bad in unsupported.items():
@@ -108,6 +108,7 @@ class _Body(BaseModel):
             **controls_fields(self),
         )
         params.validate()
+        params.structured = request_constraint(self)  # response_format, structured_outputs, guided_*, tool_choice
         return params
 
 

@@ -112,6 +112,8 @@ class Request:
     num_cached_prompt: int = 0  # prompt tokens resumed from the prefix cache (`serve.prefix_cache`)
     resume_residual: torch.Tensor | None = None  # a prefix-cache hit's residual, to recompute its last MTP cell
 
+    constraint: object | None = None  # `serve.grammar.Constraint` of a structured-output request (per choice)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -82,6 +82,9 @@ class SamplingParams:
             min_tokens: EOS and `stop_token_ids` are blocked until that many tokens are generated (stop strings
             still apply); min_p: in [0, 1], drops tokens less likely than min_p times the most likely one (after
             temperature). See `serve.logit_controls` for the order and exact formulas.
+
+        structured: a `serve.structured.Structured` constraint (JSON schema, regex, choice, grammar, tool calls)
+            the output must match (`serve.grammar` masks the logits), or None.
     """
 
     max_tokens: int = 16
@@ -104,6 +107,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     min_p: float = 0.0
+
+    structured: object | None = None
 
     @property
     def greedy(self) -> bool:

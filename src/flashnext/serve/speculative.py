@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.model.state import make_step
+from flashnext.serve import grammar
 from flashnext.serve.cache import Snapshot, StateCache
 from flashnext.serve.logit_controls import LogitControls, reported_logprobs
 from flashnext.serve.request import Request
@@ -136,6 +137,8 @@ class Speculator:
         rows = out.logits[out.first_row[i] : out.first_row[i] + d + 1].float()
         if not bool(torch.isfinite(rows).all()):
             return None
+        rows = grammar.mask_verify_rows(req, rows)  # a constrained request: row j under its grammar after j drafts
+        # then the logit controls, as the plain step (`Engine`: grammar mask, then `Sampler.sample`)
         raw, rows = rows, self.controls.apply(rows, [req] * (d + 1), [req.drafts[:j] for j in range(d + 1)])
         maxes, argmax = rows.max(-1)
         if req.params.greedy:
@@ -261,8 +264,15 @@ class Speculator:
 
     def _draft(self, reqs: list[Request], want: list[int], logits: torch.Tensor, r_last: torch.Tensor) -> None:
         """Draft 1 from the head's last cells (`logits` [n, V], their R_next `r_last` [n, hc*D]), then chained
-        draft steps, one cell per request still wanting more."""
-        drafts = [[tok] for tok in logits.argmax(-1).tolist()]
+        draft steps, one cell per request still wanting more. A constrained request's drafts are the argmax under
+        its grammar (`grammar.draft_argmax`), taken back from its matcher at the end."""
+        try:
+            self._draft_chain(reqs, want, logits, r_last)
+        finally:
+            grammar.end_drafts(reqs)
+
+    def _draft_chain(self, reqs: list[Request], want: list[int], logits: torch.Tensor, r_last: torch.Tensor):
+        drafts = [[tok] for tok in grammar.draft_argmax(reqs, logits)]
         live = list(range(len(reqs)))
         for j in range(1, max(want)):
             keep = [k for k, idx in enumerate(live) if want[idx] > j]
@@ -278,7 +288,7 @@ class Speculator:
             )  # fmt: skip
             step_logits, r_last = self.model.draft_step(r_last, self._ids([drafts[idx][-1] for idx in live]), step,
                                                          self.cache)  # fmt: skip
-            for idx, tok in zip(live, step_logits.argmax(-1).tolist(), strict=True):
+            for idx, tok in zip(live, grammar.draft_argmax([reqs[k] for k in live], step_logits), strict=True):
                 drafts[idx].append(tok)
         for req, d in zip(reqs, drafts, strict=True):
             req.drafts = d
