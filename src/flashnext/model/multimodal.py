@@ -21,7 +21,7 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.fused import linear
+from flashnext.model.fused import apply_linear
 from flashnext.model.mtp import MultiTokenPredictor
 from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
@@ -230,7 +230,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
-            logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
+            logits = apply_linear(self.lm_head, hidden.index_select(0, rows), fused=True, contiguous=False)
         return (logits, routed) if return_routing else logits
 
     def state_spec(self, max_len: int) -> list[dict]:

@@ -55,8 +55,11 @@ class WeightPiece(NamedTuple):
 
 
 def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `model` by its state-dict name (what a piece's `name` refers to)."""
-    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    """Every parameter and buffer of `model` by its state-dict name (what a piece's `name` refers to); for a
+    quantized model (`flashnext.quant`) also the float names of its quantized weights, requantized on arrival."""
+    from flashnext.quant.apply import requant_targets
+
+    return {**dict(model.named_buffers()), **dict(model.named_parameters()), **requant_targets(model)}
 
 
 def check_piece(targets: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape, start: int = 0) -> int:
@@ -90,6 +93,8 @@ def _copy(targets: dict[str, torch.Tensor], piece: WeightPiece) -> int:
     """Copy one checked piece into its target in place; returns the bytes written."""
     name, src, start = piece
     dst = targets[name]
+    if hasattr(dst, "write_rows"):  # a quantized weight (`quant.apply.RequantTarget`): requantized from the rows
+        return dst.write_rows(start, src)
     rows = dst if dst.dim() == 0 else dst[start : start + src.shape[0]]
     rows.copy_(src)
     return rows.numel() * rows.element_size()
