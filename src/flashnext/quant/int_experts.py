@@ -6,7 +6,7 @@
 - int4: asymmetric per group of `group_size` input features (32, 64 or 128: the down projection's K = I must be a
   multiple; the released model's I = 640 rules out 256), `w ~= (q - 8) * scale + zero` with q in [0, 15]; the
   codes packed by `_convert_weight_to_int4pack_for_cpu` into `gate_up_q` uint8 [E, 2I, D/2] / `down_q`
-  [E, D, I/2] (rows stay rows: a row range of the packed tensor is the packing of those rows), scales and zeros
+  [E, D, I/2] (output rows in multiples of 16, packed per expert: the packing interleaves rows), scales and zeros
   `gate_up_sz` [E, D/g, 2I, 2] / `down_sz` [E, I/g, D, 2], multiplied by `_weight_int4pack_mm_for_cpu`.
 
 The kernels take one 2-D weight, so the experts run one at a time, with three paths as `Experts.forward` has:
@@ -63,10 +63,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-def check_group(group: int, *ks: int) -> None:
+def check_group(group: int, D: int, I: int) -> None:
+    """Raise `ConfigError` unless int4 groups of `group` fit experts of hidden D and width I (the kernel also packs
+    output rows in blocks of 16)."""
+    if D % 16 or I % 8:
+        raise ConfigError(f"int4 experts need output rows in multiples of 16: hidden {D}, 2 x width {2 * I}")
     if group not in INT4_GROUPS:
         raise ConfigError(f"int4 group size must be one of {list(INT4_GROUPS)}, got {group}")
-    bad = [k for k in ks if k % group]
+    bad = [k for k in (D, I) if k % group]
     if bad:
         raise ConfigError(f"int4 group size {group} does not divide the expert input width {bad[0]} (try 32)")
 

@@ -10,7 +10,9 @@ first (q is computed against the rounded scale, so dequantising is exact). The p
 `torch.ops.aten._weight_int8pack_mm(x, q, scale)` (= `F.linear(x, q.to(x.dtype)) * scale`), which has a fast
 AVX-512/AVX2 CPU kernel for bf16/fp16 activations only (fp32 activations ran 10-30x slower than a bf16 GEMM
 here), so the compute dtype is bf16 unless the model is fp16: fp32 inputs are cast to it and the output back.
-`torch.compile` handles the op (it has a meta kernel and an inductor lowering), so the decode graph keeps it.
+`torch.compile` handles the op (it has a meta kernel and an inductor lowering), so the decode graph keeps it. The
+kernel needs K a multiple of 16 (it crashed on K = 8, 24 in torch 2.13); a narrower or odd K (none in the released
+model; the tests' tiny PLE width 8) multiplies by the weight dequantised in the compute dtype instead.
 
 The plain twin `int8_linear_ref` dequantises and multiplies in fp32 (the spec); `FLASHNEXT_QUANT_REFERENCE=1`
 routes every quantized module through its twin.
@@ -29,6 +31,7 @@ from torch import nn
 from flashnext.model.fused import Group
 
 QMAX = 127
+PACKED_K = 16  # `_weight_int8pack_mm` needs K % 16 == 0 (other K segfaulted in torch 2.13); those dequantise
 
 
 def use_reference() -> bool:
@@ -59,7 +62,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     if use_reference():
         return int8_linear_ref(x, q, scale, bias)
     lead, K = x.shape[:-1], x.shape[-1]
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, K).to(scale.dtype), q, scale)
+    xc = x.reshape(-1, K).to(scale.dtype).contiguous()
+    if K % PACKED_K:  # the kernel crashes (not raises) on other widths: dequantise in the compute dtype
+        y = F.linear(xc, q.to(scale.dtype)) * scale
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(xc, q, scale)
     y = y.to(x.dtype).reshape(*lead, q.shape[0])
     return y if bias is None else y + bias
 

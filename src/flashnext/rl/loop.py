@@ -90,9 +90,11 @@ class RolloutSource:
         from flashnext.serve.engine import Engine
         from flashnext.train.setup import build_model
 
+        from flashnext.quant.apply import QuantScheme, quantize_model
+
         inf, t = self.cfg.inference, self.trainer
-        self.engine = Engine(build_model(self.cfg, t.device), t.tokenizer, inf.max_slots, inf.max_model_len,
-                             inf.max_batched_tokens)  # fmt: skip
+        model = quantize_model(build_model(self.cfg, t.device), QuantScheme.from_flags(inf.weights))
+        self.engine = Engine(model, t.tokenizer, inf.max_slots, inf.max_model_len, inf.max_batched_tokens)
         return self.engine
 
     def next_step(self, step: int) -> list:
