@@ -78,6 +78,8 @@ def check_group(group: int, D: int, I: int) -> None:
 class QuantExperts(nn.Module):
     """Routed experts with int8 or int4 weights (see the module docstring); `Experts.forward`'s signature."""
 
+    PARTS = ("gate_up", "down")
+
     def __init__(self, scheme: str, E: int, D: int, I: int, dtype: torch.dtype, weight_dtype, group: int = 64):
         super().__init__()
         if scheme not in ("int8", "int4"):
@@ -125,9 +127,10 @@ class QuantExperts(nn.Module):
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, D], down [D, I]) dequantised, fp32 (the reference's weights)."""
         if self.scheme == "int8":
-            return dequantize_int8(self.gate_up_q[e], self.gate_up_s[e]), dequantize_int8(self.down_q[e], self.down_s[e])
-        return (dequantize_int4(self._codes(self.gate_up_q[e]), self.gate_up_s[e]),
-                dequantize_int4(self._codes(self.down_q[e]), self.down_s[e]))  # fmt: skip
+            return tuple(dequantize_int8(getattr(self, f"{w}_q")[e], getattr(self, f"{w}_s")[e]) for w in self.PARTS)
+        return tuple(
+            dequantize_int4(self._codes(getattr(self, f"{w}_q")[e]), getattr(self, f"{w}_s")[e]) for w in self.PARTS
+        )
 
     @staticmethod
     def _codes(packed: torch.Tensor) -> torch.Tensor:

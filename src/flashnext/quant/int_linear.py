@@ -161,9 +161,10 @@ class Int8Group(Group):
         biases = [getattr(m, "bias", None) for m in group.members]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+            pairs = zip(biases, weights, strict=True)
+            bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in pairs])
         members, row = [], 0
-        for w, b in zip(weights, biases):
+        for w, b in zip(weights, biases, strict=True):
             n = w.shape[0]
             mb = None if b is None else bias[row : row + n]
             members.append(Int8Linear(q[row : row + n], s[row : row + n], mb, dtype))

@@ -87,10 +87,9 @@ class RolloutSource:
 
     def _local_engine(self):
         """An engine over a second instance of the model (built as the trainer's; its weights come by sync)."""
+        from flashnext.quant.apply import QuantScheme, quantize_model
         from flashnext.serve.engine import Engine
         from flashnext.train.setup import build_model
-
-        from flashnext.quant.apply import QuantScheme, quantize_model
 
         inf, t = self.cfg.inference, self.trainer
         model = quantize_model(build_model(self.cfg, t.device), QuantScheme.from_flags(inf.weights))
