@@ -162,3 +162,15 @@ def test_quantizing_off_the_cpu_is_refused(small_config):
     model.to("meta")
     with pytest.raises(ConfigError, match="run on the CPU .* the model is on meta"):
         quantize_model(model, QuantScheme.from_flags("int8"))
+
+
+def test_generate_cli_quantizes_the_loaded_model(capsys):
+    """`flashnext generate --weights int4 --int4-group 32` serves the tiny default with int4 experts and an int8
+    trunk (the same path as `serve`); a group that does not fit is one error line."""
+    from flashnext.cli import main as cli_main
+
+    assert cli_main(["generate", "--ids", "5,6,7", "--max-tokens", "3", "--threads", "1", "--weights", "int4",
+                     "--int4-group", "32"]) == 0  # fmt: skip
+    assert "3 tokens" in capsys.readouterr().err
+    assert cli_main(["generate", "--ids", "5", "--max-tokens", "1", "--experts", "int4", "--int4-group", "128"]) == 1
+    assert "int4 group size 128 does not divide the expert input width" in capsys.readouterr().err
