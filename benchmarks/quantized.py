@@ -22,7 +22,8 @@ Output (per config and scheme, then one line):
     config=<c> weights=<s> rss_mb=<x> weight_mb=<x> quant_mb=<x> top1=<x> kl=<x> b1=<tok/s> b16=<tok/s>
         b1_graph=<tok/s> b16_graph=<tok/s> load=<1-min load>
     rss_int8_ratio=... rss_int4_ratio=... top1_int8=... top1_int4=... kl_int8=... decode_b1_int8_vs_bf16=...
-        decode_b16_int8_vs_bf16=... decode_b1_int4_vs_bf16=...      (last line: the 64e config's RSS, 31m's others)
+        decode_b16_int8_vs_bf16=... decode_b1_int4_vs_bf16=...      (last line: the 64e config's RSS, 31m's others;
+                                                                    decode ratios eager, the graph's on a line before)
 
     python benchmarks/quantized.py
     python benchmarks/quantized.py --configs 31m --graph-configs none
@@ -96,6 +97,19 @@ def decode_tok_s(model, batch: int, graph: bool, seed: int) -> tuple[float, floa
 
 
 def worker(args) -> dict:
+    """Measure one (config, scheme); every result is also written to `args.out` as soon as it is known (a worker
+    stopped early still reports what it measured)."""
+    out: dict = {}
+
+    def note(**kv) -> None:
+        out.update(kv)
+        Path(args.out).write_text(json.dumps(out))
+
+    measure(args, note)
+    return out
+
+
+def measure(args, note) -> None:
     from flashnext.build import build_model
     from flashnext.config import parse_config
     from flashnext.model.moe import Experts
@@ -110,9 +124,8 @@ def worker(args) -> dict:
     quant_bf16 = sum(t.numel() * t.element_size() for m in parts for t in m.parameters(recurse=False))
     quantize_model(model, scheme)
     model.eval()
-    out = {"rss_mb": (rss_bytes() - base) / 2**20, "weight_mb": weight_bytes(model) / 2**20}
+    note(rss_mb=(rss_bytes() - base) / 2**20, weight_mb=weight_bytes(model) / 2**20, quant_mb=quant_bf16 / 2**20)
     after = {id(m) for m in model.modules()}
-    out["quant_mb"] = quant_bf16 / 2**20 if not scheme.enabled else None
     if scheme.enabled:
         from flashnext.quant.int_experts import QuantExperts
         from flashnext.quant.int_linear import Int8Linear
@@ -124,7 +137,7 @@ def worker(args) -> dict:
                 if t is not None and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
-        out["quant_mb"] = total / 2**20
+        note(quant_mb=total / 2**20)
     ids = torch.randint(0, cfg.vocab_size, (TF_SEQS, TF_LEN), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits.float().log_softmax(-1)
@@ -133,17 +146,19 @@ def worker(args) -> dict:
         torch.save(logits, ref_path)
         fp32 = build_model(cfg, seed=0, dtype=torch.float32).eval()
         with torch.no_grad():
-            out["top1_fp32"], out["kl_fp32"] = agreement(fp32(ids).logits.float().log_softmax(-1), logits)
+            top1, kl = agreement(fp32(ids).logits.float().log_softmax(-1), logits)
+        note(top1_fp32=top1, kl_fp32=kl)
         del fp32
     else:
-        out["top1"], out["kl"] = agreement(torch.load(ref_path), logits)
+        top1, kl = agreement(torch.load(ref_path), logits)
+        note(top1=top1, kl=kl)
     del logits
     for b in (1, 16):
-        out[f"b{b}"], _ = decode_tok_s(model, b, False, args.seed)
-        if args.graph:
-            out[f"b{b}_graph"], out[f"b{b}_compile_s"] = decode_tok_s(model, b, True, args.seed)
-    out["load"] = os.getloadavg()[0]
-    return out
+        note(**{f"b{b}": decode_tok_s(model, b, False, args.seed)[0], "load": os.getloadavg()[0]})
+    if args.graph:
+        for b in (1, 16):
+            tok_s, took = decode_tok_s(model, b, True, args.seed)
+            note(**{f"b{b}_graph": tok_s, f"b{b}_compile_s": took, "load": os.getloadavg()[0]})
 
 
 def agreement(ref_logp: torch.Tensor, logp: torch.Tensor) -> tuple[float, float]:
@@ -159,44 +174,67 @@ def fmt(x) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=["31m", "64e"], choices=["31m", "64e"])
+    p.add_argument("--configs", nargs="+", default=["64e", "31m"], choices=["31m", "64e"])
     p.add_argument("--graph-configs", nargs="+", default=["31m"], help="configs also timed with the decode graph")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", nargs=2, metavar=("CONFIG", "WEIGHTS"), help=argparse.SUPPRESS)
     p.add_argument("--graph", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         args.config, args.weights = args.worker
-        print(json.dumps(worker(args)), flush=True)
+        worker(args)
         return 0
     res: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="flashnext-quant-bench-") as tmp:
         for c in args.configs:
             for s in SCHEMES:
-                cmd = [sys.executable, __file__, "--worker", c, s, "--tmp", tmp, "--threads", str(args.threads),
-                       "--seed", str(args.seed)] + (["--graph"] if c in args.graph_configs else [])  # fmt: skip
+                out = Path(tmp) / f"{c}-{s}.json"
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    c,
+                    s,
+                    "--tmp",
+                    tmp,
+                    "--threads",
+                    str(args.threads),
+                    "--seed",
+                    str(args.seed),
+                    "--out",
+                    str(out),
+                ] + (["--graph"] if c in args.graph_configs else [])
                 run = subprocess.run(cmd, capture_output=True, text=True)
-                if run.returncode:
-                    print(run.stderr[-3000:], file=sys.stderr)
-                    return run.returncode
-                r = res[c, s] = json.loads(run.stdout.strip().splitlines()[-1])
+                if run.returncode:  # report what it measured before it stopped
+                    print(f"# {c} {s}: worker exited {run.returncode}: {run.stderr[-500:]}", file=sys.stderr)
+                r = res[c, s] = json.loads(out.read_text()) if out.exists() else {}
                 keys = ["rss_mb", "weight_mb", "quant_mb", "top1", "kl", "top1_fp32", "kl_fp32", "b1", "b16",
                         "b1_graph", "b16_graph", "b1_compile_s", "b16_compile_s", "load"]  # fmt: skip
                 print(f"config={c} weights={s} " + " ".join(f"{k}={fmt(r[k])}" for k in keys if k in r), flush=True)
-    mem = "64e" if ("64e", "int8") in res else args.configs[0]
-    spd = "31m" if ("31m", "int8") in res else args.configs[0]
+    mem = "64e" if ("64e", "int8") in res else args.configs[-1]
+    spd = "31m" if ("31m", "int8") in res else args.configs[-1]
 
     def ratio(c, s, key):
-        a, b = res[c, s].get(key), res[c, "bf16"].get(key)
+        a, b = res.get((c, s), {}).get(key), res.get((c, "bf16"), {}).get(key)
         return None if a is None or b is None else a / b
 
-    graph = "_graph" if "b1_graph" in res[spd, "bf16"] else ""
+    def get(c, s, key):
+        return res.get((c, s), {}).get(key)
+
+    print(
+        f"# decode graph: b1_int8_vs_bf16={fmt(ratio(spd, 'int8', 'b1_graph'))} "
+        f"b16_int8_vs_bf16={fmt(ratio(spd, 'int8', 'b16_graph'))} "
+        f"b1_int4_vs_bf16={fmt(ratio(spd, 'int4', 'b1_graph'))} "
+        f"b16_int4_vs_bf16={fmt(ratio(spd, 'int4', 'b16_graph'))}"
+    )
+    graph = ""  # the last line's decode ratios are the eager engine's (the graph's are the line above)
     print(
         f"rss_int8_ratio={fmt(ratio(mem, 'int8', 'rss_mb'))} rss_int4_ratio={fmt(ratio(mem, 'int4', 'rss_mb'))} "
-        f"top1_int8={fmt(res[spd, 'int8']['top1'])} top1_int4={fmt(res[spd, 'int4']['top1'])} "
-        f"kl_int8={fmt(res[spd, 'int8']['kl'])} "
+        f"top1_int8={fmt(get(spd, 'int8', 'top1'))} top1_int4={fmt(get(spd, 'int4', 'top1'))} "
+        f"kl_int8={fmt(get(spd, 'int8', 'kl'))} "
         f"decode_b1_int8_vs_bf16={fmt(ratio(spd, 'int8', 'b1' + graph))} "
         f"decode_b16_int8_vs_bf16={fmt(ratio(spd, 'int8', 'b16' + graph))} "
         f"decode_b1_int4_vs_bf16={fmt(ratio(spd, 'int4', 'b1' + graph))}"
