@@ -120,8 +120,12 @@ def measure(args, note) -> None:
     scheme = QuantScheme.from_flags(args.weights)
     base = rss_bytes()
     model = build_model(cfg, seed=0, dtype=torch.bfloat16)
-    parts = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Experts)]
-    quant_bf16 = sum(t.numel() * t.element_size() for m in parts for t in m.parameters(recurse=False))
+    quant_bf16 = sum(  # no reference to these modules may outlive this line: quantizing frees them
+        t.numel() * t.element_size()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear | Experts)
+        for t in m.parameters(recurse=False)
+    )
     quantize_model(model, scheme)
     model.eval()
     note(rss_mb=(rss_bytes() - base) / 2**20, weight_mb=weight_bytes(model) / 2**20, quant_mb=quant_bf16 / 2**20)
