@@ -6,7 +6,9 @@ from the reference's init (`build_model`, seed 0), bf16. Schemes: bf16 (as loade
 per output channel), int4 (experts int4 g64, trunk int8). No fp8 column: the official FP8 checkpoint path is
 another branch's work (issue 24 item 1); its benchmark belongs there.
 
-Each (config, scheme) runs in its own process (`--worker`), so RSS belongs to that scheme alone:
+Each (config, scheme) runs in its own process (`--worker`, under `OMP_WAIT_POLICY=PASSIVE` unless set, as
+`flashnext serve` runs: on a shared box spinning OpenMP threads made every step ~1 s), so RSS belongs to that scheme
+alone:
 - rss_mb: resident bytes added by building the model and quantizing it (after `malloc_trim`), weight_mb: bytes of
   its parameters and buffers (each storage once). Embeddings and n-gram tables keep their bf16 storage in every
   scheme, so the ratio of the whole served model is above that of the quantized parts (`quant_mb`: the bytes of the
@@ -211,7 +213,8 @@ def main(argv=None) -> int:
                     "--out",
                     str(out),
                 ] + (["--graph"] if c in args.graph_configs else [])
-                run = subprocess.run(cmd, capture_output=True, text=True)
+                env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}  # as `flashnext serve` runs (cli/_env.py)
+                run = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if run.returncode:  # report what it measured before it stopped
                     print(f"# {c} {s}: worker exited {run.returncode}: {run.stderr[-500:]}", file=sys.stderr)
                 r = res[c, s] = json.loads(out.read_text()) if out.exists() else {}
