@@ -112,6 +112,8 @@ def check_serving_plan(args: argparse.Namespace, dtype, device) -> None:
         dtype=_DTYPE_NAMES[str(dtype).removeprefix("torch.")], ngram_storage=args.ngram_storage,
         ngram_resident_mb=args.ngram_resident_mb, max_slots=args.max_slots, max_model_len=args.max_model_len,
         max_batched_tokens=args.max_batched_tokens, device=str(device),
+        # `--weights bf16` (the default) keeps the checkpoint's own storage; int8 / int4 quantize in memory
+        weights=None if args.weights == "bf16" else args.weights, experts=args.experts, trunk=args.trunk,
     )  # fmt: skip
     plan, title = build_plan(args.model, opts)
     cap = machine_capacity(str(device))

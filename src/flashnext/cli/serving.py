@@ -57,6 +57,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--ignore-memory-plan", action="store_true",
         help="load even when the memory plan (printed on stderr before loading) says the model cannot fit",
     )  # fmt: skip
+    _add_quant_args(p)
 
 
 def _add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +75,28 @@ def _add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
         "--prefix-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="B",
         help=f"tokens per prefix-cache block, a multiple of 64 and of the QSA block (default {DEFAULT_BLOCK_SIZE})",
     )  # fmt: skip
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    from flashnext.quant.apply import DEFAULT_GROUP, EXPERT_SCHEMES, TRUNK_SCHEMES, WEIGHTS
+
+    p.add_argument(
+        "--weights", choices=WEIGHTS, default="bf16",
+        help="quantize the loaded model in memory for the CPU: int8 (trunk and experts int8 per output channel), "
+        "int4 (experts int4 per group, trunk int8); bf16: as loaded in --dtype (default bf16)",
+    )  # fmt: skip
+    p.add_argument("--trunk", choices=TRUNK_SCHEMES, default=None, help="override --weights for the dense trunk")
+    p.add_argument("--experts", choices=EXPERT_SCHEMES, default=None, help="override --weights for the experts")
+    p.add_argument(
+        "--int4-group", type=int, default=DEFAULT_GROUP, metavar="G",
+        help=f"int4 experts: input features per scale/zero group, 32, 64 or 128 (default {DEFAULT_GROUP})",
+    )  # fmt: skip
+
+
+def _quant_scheme(args: argparse.Namespace):
+    from flashnext.quant.apply import QuantScheme
+
+    return QuantScheme.from_flags(args.weights, args.trunk, args.experts, args.int4_group)
 
 
 def _add_ngram_storage_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +126,7 @@ def _build_engine(args: argparse.Namespace):
     check_serving_plan(args, dtype, device)  # before anything is loaded: a model that cannot fit stops here
     model, tokenizer, name = load_for_serving(
         args.model, dtype, args.seed, ngram_storage=args.ngram_storage, ngram_resident_mb=args.ngram_resident_mb,
-        device=device,
+        device=device, quant=_quant_scheme(args),
     )  # fmt: skip
     k = args.speculative_tokens
     if k and model.mtp is None:

@@ -58,8 +58,9 @@ def _compiling() -> bool:
 
 
 def apply_linear(m: nn.Linear, x: torch.Tensor, fused: bool = False, contiguous: bool = True) -> torch.Tensor:
-    """`m(x)`: a module call on the plain path (hooks, FLOP attribution), `linear(..., fused=True)` when fused."""
-    if not fused:
+    """`m(x)`: a module call on the plain path (hooks, FLOP attribution), `linear(..., fused=True)` when fused.
+    A module that is not an `nn.Linear` (a quantized one, `flashnext.quant`) is always called."""
+    if not fused or not isinstance(m, nn.Linear):
         return m(x)
     return linear(x, m.weight, m.bias, fused=True, contiguous=contiguous)
 

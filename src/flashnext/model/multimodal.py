@@ -22,7 +22,7 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments, next_token_targets
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.fused import linear
+from flashnext.model.fused import apply_linear
 from flashnext.model.mtp import MultiTokenPredictor
 from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
@@ -247,7 +247,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
-            logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
+            logits = apply_linear(self.lm_head, hidden.index_select(0, rows), fused=True, contiguous=False)
         extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
         return (logits, *extras) if extras else logits
 

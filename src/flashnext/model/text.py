@@ -16,7 +16,7 @@ from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
-from flashnext.model.fused import linear
+from flashnext.model.fused import apply_linear, linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.moe import Experts, Router
@@ -262,7 +262,7 @@ class FlashNextForCausalLM(nn.Module):
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
-            logits = linear(hidden.index_select(0, rows), self.lm_head.weight, fused=True, contiguous=False)
+            logits = apply_linear(self.lm_head, hidden.index_select(0, rows), fused=True, contiguous=False)
         extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
         return (logits, *extras) if extras else logits
 
@@ -292,6 +292,8 @@ class FlashNextForCausalLM(nn.Module):
         state = StepState(step, cache.layers[len(decoder.layers) :])
         r_next, y = self.mtp(residual, decoder.embed_tokens(next_ids), rope, step.seg, state)
         last = last_token_rows(y, step)
+        if MTP_OWN_HEAD not in self.extra_tensors:  # the shared head (an int8 module once quantized)
+            return apply_linear(self.lm_head, last, fused=True, contiguous=False), r_next
         return linear(last, self.mtp_head_weight(), fused=True, contiguous=False), r_next
 
     def _check_replay(self, routed_experts: torch.Tensor | None, num_tokens: int) -> None:
@@ -426,7 +428,7 @@ def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
 
 def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
     """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
-    return linear(last_token_rows(hidden, step), lm_head.weight, lm_head.bias, fused=True, contiguous=False)
+    return apply_linear(lm_head, last_token_rows(hidden, step), fused=True, contiguous=False)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:

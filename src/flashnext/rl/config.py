@@ -93,6 +93,9 @@ class InferenceSection(BaseModel):
     """In-process engine: longest prompt + completion."""
     max_batched_tokens: int = Field(1024, ge=1)
     """In-process engine: token budget of one engine step."""
+    weights: Literal["bf16", "int8", "int4"] = "bf16"
+    """In-process engine: its model quantized in memory for the CPU (`flashnext serve --weights`; bf16: as the
+    trainer's dtype); every weight sync requantizes on arrival. A server quantizes by its own flags."""
     sync_chunk_mb: float = Field(64, gt=0)
     """Across processes: the largest piece of a tensor sent at once (larger tensors and table shards go in row
     pieces), in MiB."""

@@ -87,12 +87,13 @@ class RolloutSource:
 
     def _local_engine(self):
         """An engine over a second instance of the model (built as the trainer's; its weights come by sync)."""
+        from flashnext.quant.apply import QuantScheme, quantize_model
         from flashnext.serve.engine import Engine
         from flashnext.train.setup import build_model
 
         inf, t = self.cfg.inference, self.trainer
-        self.engine = Engine(build_model(self.cfg, t.device), t.tokenizer, inf.max_slots, inf.max_model_len,
-                             inf.max_batched_tokens)  # fmt: skip
+        model = quantize_model(build_model(self.cfg, t.device), QuantScheme.from_flags(inf.weights))
+        self.engine = Engine(model, t.tokenizer, inf.max_slots, inf.max_model_len, inf.max_batched_tokens)
         return self.engine
 
     def next_step(self, step: int) -> list:

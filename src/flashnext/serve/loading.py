@@ -27,6 +27,7 @@ def load_for_serving(
     ngram_storage: str = "auto",
     ngram_resident_mb: float | None = None,
     device: str | torch.device = "cpu",
+    quant=None,
 ):
     """(model, tokenizer or None, model name), the model's parameters in `dtype` on `device`.
 
@@ -34,6 +35,7 @@ def load_for_serving(
     and the bundled tokenizer. With it: `from_pretrained(model_dir)` and the tokenizer files found there (None if
     the checkpoint ships none: prompts must then be token ids). `ngram_storage` / `ngram_resident_mb` are
     `from_pretrained`'s (how the n-gram tables are held); the tiny default has no files, so only `auto`/`dense`.
+    `quant` (a `flashnext.quant.apply.QuantScheme`): the loaded model is quantized in memory, part by part.
 
     Raises:
         CheckpointError: `model_dir` does not exist, or is not a model directory (a training checkpoint or run
@@ -46,13 +48,23 @@ def load_for_serving(
     if model_dir is None:
         if ngram_storage not in ("auto", "dense"):
             raise ConfigError(f"--ngram-storage {ngram_storage} needs a checkpoint (--model DIR)")
-        return build_model(tiny_config(), seed=seed, dtype=dtype, device=device), load_tokenizer(), DEFAULT_NAME
+        model = build_model(tiny_config(), seed=seed, dtype=dtype, device=device)
+        return _quantized(model, quant), load_tokenizer(), DEFAULT_NAME
     path = Path(model_dir)
     check_model_dir(path)
     kwargs = {} if ngram_resident_mb is None else {"ngram_resident_mb": ngram_resident_mb}
     model = from_pretrained(path, dtype=dtype, device=device, ngram_storage=ngram_storage, **kwargs)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILE).exists() else None
-    return model, tokenizer, served_name(path)
+    return _quantized(model, quant), tokenizer, served_name(path)
+
+
+def _quantized(model, quant):
+    """`model` quantized in place by the scheme `quant` (None or nothing enabled: as it is)."""
+    if quant is None or not quant.enabled:
+        return model
+    from flashnext.quant.apply import quantize_model
+
+    return quantize_model(model, quant)
 
 
 def served_name(path: Path) -> str:

@@ -59,10 +59,14 @@ class WeightPiece(NamedTuple):
 class Targets(dict):
     """{state-dict name: tensor}, and `requantize`: {name: fn(start, rows)} for tensors a module holds quantised
     (`requantized` names and a `requantize_(name, start, rows)` method, e.g. `Fp8Experts`): those take pieces in any
-    float dtype and quantise them on arrival, in the same all-or-nothing update."""
+    float dtype and quantise them on arrival, in the same all-or-nothing update. A model quantized in memory
+    (`flashnext.quant`) also lists the float names of its quantized weights (`quant.apply.RequantTarget`s, which
+    requantize the rows they are given)."""
 
     def __init__(self, model: nn.Module):
-        super().__init__({**dict(model.named_buffers()), **dict(model.named_parameters())})
+        from flashnext.quant.apply import requant_targets
+
+        super().__init__({**dict(model.named_buffers()), **dict(model.named_parameters()), **requant_targets(model)})
         self.requantize = {
             f"{prefix}.{name}" if prefix else name: functools.partial(module.requantize_, name)
             for prefix, module in model.named_modules()
@@ -106,6 +110,8 @@ def _copy(targets: dict[str, torch.Tensor], piece: WeightPiece) -> int:
     """Copy one checked piece into its target in place; returns the bytes written."""
     name, src, start = piece
     dst = targets[name]
+    if hasattr(dst, "write_rows"):  # a quantized weight (`quant.apply.RequantTarget`): requantized from the rows
+        return dst.write_rows(start, src)
     if src.dtype != dst.dtype:  # a quantised tensor (check_piece allowed it): requantised from the float rows
         targets.requantize[name](start, src)
         return src.numel() * dst.element_size()

@@ -1,0 +1,74 @@
+"""The int8 trunk modules (`quant.int_linear`) against their dequantise-then-matmul twin.
+
+Tolerance: the kernel multiplies bf16 activations by int8 weights and rounds its output to bf16, the twin computes
+in fp32 from the same bf16-rounded input, so they differ by the output's bf16 rounding plus accumulation order:
+relative 1e-2 of the output's scale (bf16 has 8 mantissa bits: 2^-8 = 3.9e-3 per rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flashnext.model.fused import Group, apply_linear
+from flashnext.quant.int_linear import (
+    Int8Group,
+    Int8Linear,
+    dequantize_int8,
+    int8_linear,
+    int8_linear_ref,
+    quantize_int8,
+)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.float().abs().max().clamp_min(1e-6)
+    err = (got.float() - want.float()).abs().max()
+    assert err <= 1e-2 * scale, f"max error {err:.3g} against output scale {scale:.3g}"
+
+
+def test_quantize_int8_rounds_to_half_a_step():
+    w = torch.randn(37, 70) * torch.linspace(0.01, 3, 37)[:, None]
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and int(q.abs().max()) <= 127
+    err = (dequantize_int8(q, s) - w).abs()
+    assert bool((err <= s.float()[:, None] * 0.5 + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64, 96), (16, 64, 1), (5, 256, 33), (3, 4, 32, 48), (2, 8, 5)], ids=str)
+def test_int8_linear_matches_reference(dtype, shape):
+    *lead, K, N = shape
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen).to(dtype)
+    x = torch.randn(*lead, K, generator=gen).to(dtype)
+    q, s = quantize_int8(w)
+    got, want = int8_linear(x, q, s, b), int8_linear_ref(x, q, s, b)
+    assert got.dtype == dtype and got.shape == (*lead, N)
+    _close(got, want)
+
+
+def test_int8_linear_module_replaces_linear_on_both_paths():
+    lin = nn.Linear(48, 20, bias=True)
+    mod = Int8Linear.from_float(lin.weight.detach(), lin.bias.detach())
+    x = torch.randn(6, 48)
+    want = int8_linear_ref(x, mod.qweight, mod.scale, mod.bias)
+    _close(mod(x), want)
+    _close(apply_linear(mod, x, fused=True), want)  # the serving call of a projection
+    _close(mod(x), lin(x))  # and close to the float layer (int8 error ~ 1/127 of a row's largest weight)
+
+
+def test_int8_group_is_its_members_and_sees_their_requantization():
+    a, b, c = nn.Linear(32, 24, bias=False), nn.Linear(32, 8, bias=False), nn.Linear(32, 1, bias=False)
+    group, members = Int8Group.from_group(Group(a, b, c))
+    x = torch.randn(4, 32)
+    outs = group(x, fused=True)
+    for out, m in zip(outs, members, strict=True):
+        _close(out, int8_linear_ref(x, m.qweight, m.scale))
+    new = torch.randn(8, 32) * 5
+    members[1].write_rows(0, new)  # a weight update of one member, in place
+    q, s = quantize_int8(new)
+    assert torch.equal(group.qweight[24:32], q) and torch.equal(group.scale[24:32], s)
+    _close(group(x)[1], int8_linear_ref(x, q, s))
+    assert group.refresh() is False  # nothing to rebuild: the members are row views of the group
