@@ -20,6 +20,11 @@ by the reference harness, saved, loaded by `flashnext.from_pretrained`, converte
    -ntg 64 -npl B` (its total time T: tok/s = B * 64 / T); ours: `Engine.generate` of B prompts. The machine's load
    average is printed beside each line: numbers taken at a load above the thread count are not results.
 
+3. `--quant q8_0`: after the agreement check on the float weights, llama.cpp's `llama-quantize` turns the GGUF into
+   Q8_0 (int8 in blocks of 32 with a scale each) and our model is quantized in memory to weight-only int8
+   (`flashnext.quant`, per output channel, trunk and experts): the two quantizations differ, so outputs are not
+   compared token by token; the timing is the same as 2. (`LLAMA_CPP_DIR` must also hold `llama-quantize`.)
+
 Output:
     # agreement: 32/32 tokens equal
     batch=<b> ours=<tok/s> llama.cpp=<tok/s> ratio=<ours/llama.cpp> load=<1-min load>
@@ -132,6 +137,22 @@ def ours_seconds(engine, vocab: int, batch: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
+def quantize_both(model, gguf: Path, root: Path) -> Path:
+    """Our model to weight-only int8 in place; the GGUF to Q8_0 with `llama-quantize` (its path returned)."""
+    from flashnext.quant.apply import QuantScheme, quantize_model
+
+    tool = find_tool(root, "llama-quantize")
+    if tool is None:
+        raise RuntimeError(f"{root} has no llama-quantize (looked in ., bin, build/bin)")
+    out = gguf.with_name("model-q8_0.gguf")
+    proc = subprocess.run([str(tool), str(gguf), str(out), "q8_0"], capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-quantize failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    quantize_model(model, QuantScheme.from_flags("int8"))
+    print(f"# quantized: Q8_0 GGUF {out.stat().st_size / 1e6:.1f} MB; ours weight-only int8", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
@@ -140,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-graph", action="store_true", help="our decode steps as the compiled decode step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quant", choices=["none", "q8_0"], default="none",
+                        help="q8_0: llama.cpp's Q8_0 GGUF against our weight-only int8 (see the module doc)")
     args = parser.parse_args(argv)
     root = os.environ.get("LLAMA_CPP_DIR")
     if not root:
@@ -160,6 +183,8 @@ def main(argv=None) -> int:
         if equal < n:
             print("vs_llamacpp: llama.cpp computes another function from this file: not timing it")
             return 1
+        if args.quant == "q8_0":
+            gguf = quantize_both(model, gguf, Path(root))
         for b in args.batches:
             engine = Engine(model, max_slots=b, max_model_len=PROMPT_LEN + NEW_TOKENS + 1,
                             decode_graph=args.decode_graph, decode_buckets=[b])  # fmt: skip

@@ -84,3 +84,15 @@ def test_released_down_projection_shape_runs_at_group_128():
     h = torch.randn(3, 640, dtype=torch.bfloat16)
     got = q._mm(h, q.down_q[1], q.down_s[1])
     _close(got, h.float() @ q.expert_weights(1)[1].t())
+
+
+@pytest.mark.parametrize("path", ["gathered", "dense", "grouped"])
+def test_int8_experts_narrower_than_the_packed_kernel(path):
+    """An expert width of 8 (the down projection's K % 16 != 0, where torch's packed int8 kernel crashes the
+    process): the products dequantise instead, and still match the twin."""
+    float_experts = _experts(E=8, D=64, I=8)
+    q = QuantExperts.from_float(float_experts, "int8", 64)
+    T = 3 if path == "gathered" else 10
+    x, experts, weights = _routing(T, 8, 1 if path == "gathered" else 2)
+    got = q(x, experts, weights, fused=True, static=path == "dense")
+    _close(got, experts_ref(q, x, experts, weights))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.errors import ConfigError
-from flashnext.quant.int_linear import compute_dtype, dequantize_int8, quantize_int8, use_reference
+from flashnext.quant.int_linear import compute_dtype, dequantize_int8, int8_linear, quantize_int8, use_reference
 
 INT4_GROUPS = (32, 64, 128)
 
@@ -144,8 +144,8 @@ class QuantExperts(nn.Module):
     # ---- the products ------------------------------------------------------------------------------
     def _mm(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """x [n, K] (compute dtype) by one expert's packed weight q / its scales s -> [n, N]."""
-        if self.scheme == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, q, s)
+        if self.scheme == "int8":  # `int8_linear`: the packed kernel, or dequantised where K % 16 != 0 (it crashes)
+            return int8_linear(x, q, s)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, self.group, s)
 
     def _swiglu(self, x: torch.Tensor, gu_q, gu_s, d_q, d_s) -> torch.Tensor:
