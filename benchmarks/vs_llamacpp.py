@@ -161,8 +161,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-graph", action="store_true", help="our decode steps as the compiled decode step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quant", choices=["none", "q8_0"], default="none",
-                        help="q8_0: llama.cpp's Q8_0 GGUF against our weight-only int8 (see the module doc)")
+    parser.add_argument(
+        "--quant",
+        choices=["none", "q8_0"],
+        default="none",
+        help="q8_0: llama.cpp's Q8_0 GGUF against our weight-only int8 (see the module doc)",
+    )
     args = parser.parse_args(argv)
     root = os.environ.get("LLAMA_CPP_DIR")
     if not root:
