@@ -360,7 +360,7 @@ BAD = [
       "tool_choice": "required"}, "tools[0].function.parameters", "not a valid JSON Schema"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "tools[0].function.parameters", "must describe an object"),
-    ({"tool_choice": "required"}, "tool_choice", "needs a non-empty tools list"),
+    ({"tool_choice": "required"}, "tool_choice", "needs (a non-empty tools list|tools)"),
 ]  # fmt: skip
 
 
@@ -374,6 +374,9 @@ def test_bad_structured_input_is_a_400_naming_the_field(server, extra, field, wh
         r = httpx.post(f"{base}/v1/{route}", json={"model": name, "max_tokens": 8, **body, **extra}, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
+        if route == "completions" and "tools" in extra:  # no chat template to render tools into: refused first
+            assert err["param"] == "tools" and "not supported" in err["message"], err
+            continue
         assert err["param"] == field and re.search(why, err["message"]), err
     assert not engine.has_unfinished()
 
@@ -385,7 +388,10 @@ def test_http_json_schema_and_legacy_guided_json(server):
     schema = SCHEMAS[0]
     bodies = [
         {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema":
-         {"name": "p", "schema": schema, "strict": True}}},
+         {"name": "p", "schema": schema, "strict": True}},
+         # thinking off: the random model may not close a think block within max_tokens (the constraint starts
+         # after it; that boundary is tested on the engine above)
+         "chat_template_kwargs": {"enable_thinking": False}},
         {"prompt": "hi", "guided_json": schema},
     ]  # fmt: skip
     for body in bodies:
