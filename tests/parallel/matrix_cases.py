@@ -22,25 +22,18 @@ MTP_WEIGHT = 0.3
 
 
 def overrides(cell: tuple[str, str, str, str], data: str, model: str, out_dir: str, one_process: bool) -> list[str]:
+    """`cp_cases.trainer_overrides` (the CP tests' run) with the cell's loss, MTP weight and tables, two steps."""
     loss, layout, mtp, tables = cell
     cp = 2 if layout == "cp2" and not one_process else 1
     micro = (2 if layout == "fsdp2" else 1) if one_process else 1  # the world's global batch
-    return [
-        f"--model.path={model}",
-        f"--data.path={data}",
-        "--data.token_budget=96",
-        f"--data.micro_batches={micro}",
-        f"--train.loss={loss}",
-        "--train.steps=2",
-        f"--train.mtp_loss_weight={MTP_WEIGHT if mtp == 'on' else 0.0}",
-        f"--model.freeze_ngram={'true' if tables == 'frozen' else 'false'}",
-        "--optim.warmup_steps=1",
-        "--log.progress=false",
-        "--log.peak_flops=1e9",
-        "--checkpoint.export=false",
-        f"--parallel.cp={cp}",
-        f"--out_dir={out_dir}",
-    ]
+    mine = {
+        "--train.loss": loss,
+        "--train.steps": "2",
+        "--train.mtp_loss_weight": str(MTP_WEIGHT if mtp == "on" else 0.0),
+        "--model.freeze_ngram": "true" if tables == "frozen" else "false",
+    }
+    base = [a for a in cc.trainer_overrides(data, out_dir, micro, cp, model) if a.split("=", 1)[0] not in mine]
+    return base + [f"{k}={v}" for k, v in mine.items()]
 
 
 def _name(cell) -> str:
