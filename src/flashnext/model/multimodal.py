@@ -14,12 +14,11 @@ State-dict names equal the reference's in-memory `Qwen4ExpForConditionalGenerati
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import torch
 from torch import nn
 
-from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments, next_token_targets
+from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.fused import apply_linear
@@ -29,9 +28,8 @@ from flashnext.model.text import (
     CausalLMOutput,
     FlashNextForCausalLM,
     FlashNextTextModel,
-    head_outputs,
+    causal_lm_outputs,
     last_token_logits,
-    mtp_outputs,
 )
 from flashnext.model.vision import VisionModel, grid_list
 
@@ -199,14 +197,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         embeds = self.embed(ids, pixel_values, image_grid_thw, inputs.per_token["mm_token_type_ids"])
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
-        if return_mtp and self.mtp is None:
-            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
-        hidden, experts, residual = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
-        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
-        if return_mtp:
-            mtp_outputs(self, out, residual, inputs if seg is inputs.seg else replace(inputs, seg=seg), return_logits,
-                        lambda x, fill: next_token_targets(x, seg, fill))  # fmt: skip
-        return out
+        return causal_lm_outputs(self, inputs, seg, routed_experts, embeds, return_logits, return_mtp)
 
     def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
         """Host-side shape/dtype checks of the image inputs (counts against the placeholders: `embed`)."""

@@ -5,7 +5,7 @@ Legend: B/S padded batch/sequence, T flat tokens, D hidden, hc streams, V vocab,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -188,14 +188,7 @@ class FlashNextForCausalLM(nn.Module):
         )  # fmt: skip
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
-        if return_mtp and self.mtp is None:
-            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
-        hidden, experts, residual = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
-        shift = _shifter(inputs.seg, cp)
-        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits, shift)
-        if return_mtp:
-            mtp_outputs(self, out, residual, inputs, return_logits, shift, cp)
-        return out
+        return causal_lm_outputs(self, inputs, inputs.seg, routed_experts, None, return_logits, return_mtp, cp)
 
     def mtp_logits(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The MTP head over a whole stream (training): residual [T, hc*D], ids [T] -> draft logits [T, V]."""
@@ -337,6 +330,35 @@ class FlashNextForCausalLM(nn.Module):
         from flashnext.checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+def causal_lm_outputs(
+    model,
+    inputs: ModelInputs,
+    seg: Segments,
+    routed_experts: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    return_logits: bool,
+    return_mtp: bool,
+    cp: ContextShard | None = None,
+) -> CausalLMOutput:
+    """The text path of a training forward, shared by the text and the composite model once their inputs are
+    flattened and checked: the decoder over `inputs.ids` (embedded as `inputs_embeds` when given) under `seg` (the
+    inputs' own segments, or the composite's with MRoPE positions: the same sequences), then the LM head's outputs
+    (`head_outputs`) and, with `return_mtp`, the MTP head's (`mtp_outputs`). Args as `FlashNextForCausalLM.forward`.
+
+    Raises:
+        InputError: `return_mtp` on a model without an MTP head.
+    """
+    if return_mtp and model.mtp is None:
+        raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
+    hidden, experts, residual = model.decoder(inputs.ids, seg, routed_experts, inputs_embeds=inputs_embeds, cp=cp)
+    shift = _shifter(seg, cp)
+    out = head_outputs(model.lm_head, hidden, inputs, experts, return_logits, shift)
+    if return_mtp:
+        seg_inputs = inputs if seg is inputs.seg else replace(inputs, seg=seg)
+        mtp_outputs(model, out, residual, seg_inputs, return_logits, shift, cp)
+    return out
 
 
 def mtp_outputs(model, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool,
