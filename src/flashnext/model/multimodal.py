@@ -21,15 +21,12 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.fused import apply_linear
 from flashnext.model.mtp import MultiTokenPredictor
-from flashnext.model.state import StepBatch, StepState
 from flashnext.model.text import (
     CausalLMOutput,
     FlashNextForCausalLM,
     FlashNextTextModel,
     causal_lm_outputs,
-    last_token_logits,
 )
 from flashnext.model.vision import VisionModel, grid_list
 
@@ -123,6 +120,9 @@ class FlashNextForConditionalGeneration(nn.Module):
     same head as the text model's, trained with `return_mtp` and served by `draft_step`).
     """
 
+    # The serving steps are the text model's: image features come in `forward_step`'s `inputs_embeds` (`embed`)
+    # and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs in a serving step.
+    forward_step = FlashNextForCausalLM.forward_step
     draft_step = FlashNextForCausalLM.draft_step
     mtp_head_weight = FlashNextForCausalLM.mtp_head_weight
 
@@ -216,31 +216,6 @@ class FlashNextForConditionalGeneration(nn.Module):
                 f"pixel_values must be [n_patches, {patch_dim}] (one flattened patch per row), "
                 f"got {tuple(pixel_values.shape)}"
             )
-
-    @torch.no_grad()
-    def forward_step(
-        self,
-        input_ids: torch.Tensor,
-        step: StepBatch,
-        cache,
-        inputs_embeds: torch.Tensor | None = None,
-        *,
-        return_routing: bool = False,
-        rows: torch.Tensor | None = None,
-        with_residual: bool = False,
-    ):
-        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing`, `rows` and `with_residual`
-        too); image features come in `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(...,
-        mrope=...)`), so the tower never runs here."""
-        state = StepState(step, cache.layers)
-        lm = self.model.language_model
-        hidden, routed, residual = lm(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
-        if rows is None:
-            logits = last_token_logits(self.lm_head, hidden, step)
-        else:
-            logits = apply_linear(self.lm_head, hidden.index_select(0, rows), fused=True, contiguous=False)
-        extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
-        return (logits, *extras) if extras else logits
 
     def state_spec(self, max_len: int) -> list[dict]:
         """Per decoder layer, the per-sequence serving state (the vision tower keeps none), then the MTP head's."""

@@ -251,7 +251,7 @@ class FlashNextForCausalLM(nn.Module):
             same expert ids `forward` returns for these tokens).
         """
         state = StepState(step, cache.layers)
-        hidden, routed, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        hidden, routed, residual = self.decoder(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
