@@ -21,13 +21,9 @@ from torch import nn
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
+from flashnext.model.heads import CausalLMOutput, causal_lm_outputs
 from flashnext.model.mtp import MultiTokenPredictor
-from flashnext.model.text import (
-    CausalLMOutput,
-    FlashNextForCausalLM,
-    FlashNextTextModel,
-    causal_lm_outputs,
-)
+from flashnext.model.text import FlashNextForCausalLM, FlashNextTextModel
 from flashnext.model.vision import VisionModel, grid_list
 
 TEXT_TYPE, IMAGE_TYPE = 0, 1
