@@ -14,6 +14,7 @@ from flashnext.build import build_model
 from flashnext.cli import main
 from flashnext.config import parse_config, tiny_config_dict
 from flashnext.errors import ConfigError
+from flashnext.manifest import parameters
 from flashnext.model.fused import groups
 from flashnext.plan import (
     PlanOptions,
@@ -22,7 +23,6 @@ from flashnext.plan import (
     fused_copy_bytes,
     make_plan,
     matrix_bytes,
-    parameters,
     parse_bytes,
     shortfall,
     state_bytes,

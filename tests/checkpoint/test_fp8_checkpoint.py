@@ -192,6 +192,19 @@ def test_quantize_command_refuses_another_checkpoint_unless_overwrite(checkpoint
         quantize_weights(checkpoints[1], tmp_path / "twice")
 
 
+def test_quantize_weights_refuses_out_equal_to_or_holding_in(checkpoints, tmp_path):
+    """`quantize --weights` shares `quantize --ngram`'s target check: OUT may be neither IN nor a folder holding it
+    (with --overwrite that would delete IN); IN is left untouched."""
+    src = tmp_path / "in"
+    shutil.copytree(checkpoints[0], src)
+    files = sorted(p.name for p in src.iterdir())
+    with pytest.raises(CheckpointError, match="OUT must differ from IN"):
+        quantize_weights(src, src)
+    with pytest.raises(CheckpointError, match="must differ from IN.*not contain it"):
+        quantize_weights(src, tmp_path, overwrite=True)
+    assert sorted(p.name for p in src.iterdir()) == files
+
+
 def test_refuses_a_layer_mixing_fp8_and_bf16_experts(checkpoints, tmp_path):
     d = _copy(checkpoints, tmp_path)
     key = f"{EXPERT}.down_proj.weight"

@@ -10,7 +10,7 @@ from torch import nn
 
 from flashnext.batch import make_segments, next_token_targets
 from flashnext.errors import InputError
-from flashnext.model.text import causal_lm_loss
+from flashnext.model.heads import causal_lm_loss
 from flashnext.train.loss import RLLossConfig, count_label_tokens, rl_loss, sft_loss, token_logprobs
 
 V, D = 11, 6

@@ -80,6 +80,21 @@ def _amax(headers: dict, shards: list[tuple[Path, str]]) -> float:
     return amax
 
 
+def check_quantize_target(src: str | Path, dst: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """`check_target` for a `flashnext quantize` writer, which reads the checkpoint `src` while it writes `dst`:
+    also refuses `dst` equal to or holding `src`. Returns `(src, dst)` as paths.
+
+    Raises:
+        CheckpointError: `dst` equal to (or holding) `src`, or refused by `check_target`.
+    """
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+        raise CheckpointError(f"quantize writes a new checkpoint: OUT must differ from IN ({str(src)!r}) and not "
+                              "contain it")  # fmt: skip
+    check_target(dst, overwrite)
+    return src, dst
+
+
 def quantize_checkpoint(
     src: str | Path, dst: str | Path, *, ngram: str = "fp8", overwrite: bool = False
 ) -> dict[str, float]:
@@ -91,11 +106,7 @@ def quantize_checkpoint(
     """
     if ngram not in SCHEMES:
         raise CheckpointError(f"--ngram {ngram!r}: expected one of {SCHEMES}")
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
-        raise CheckpointError(f"quantize writes a new checkpoint: OUT must differ from IN ({str(src)!r}) and not "
-                              "contain it")  # fmt: skip
-    check_target(dst, overwrite)
+    src, dst = check_quantize_target(src, dst, overwrite)
     files, weight_map = checkpoint_files(src)
     headers = {f: data_offsets(f) for f in files}
     tables = _tables(headers)

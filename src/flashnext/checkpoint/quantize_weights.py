@@ -29,9 +29,9 @@ from flashnext.checkpoint.files import INDEX_FILE, TORCH_DTYPES, checkpoint_file
 from flashnext.checkpoint.fp8 import fp8_scale, quantize_fp8
 from flashnext.checkpoint.fp8_weights import EXPERT_WEIGHT, QUANT_KEY, SCALE_SUFFIX, quantization_config
 from flashnext.checkpoint.ngram_tables import scale_key
-from flashnext.checkpoint.quantize import PIECE_BYTES, _amax, _raw_chunks, _tables, row_chunks
+from flashnext.checkpoint.quantize import PIECE_BYTES, _amax, _raw_chunks, _tables, check_quantize_target, row_chunks
 from flashnext.checkpoint.stream_write import Entry, write_safetensors
-from flashnext.checkpoint.target import check_target, writing
+from flashnext.checkpoint.target import writing
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError
 from flashnext.ops.fp8_blocks import BLOCK, quantize_blocks, scale_grid
@@ -69,11 +69,7 @@ def quantize_weights(src: str | Path, dst: str | Path, *, weights: str = "fp8", 
     """
     if weights not in WEIGHT_SCHEMES:
         raise CheckpointError(f"--weights {weights!r}: expected one of {WEIGHT_SCHEMES}")
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
-        raise CheckpointError(f"quantize writes a new checkpoint: OUT must differ from IN ({str(src)!r}) and not "
-                              "contain it")  # fmt: skip
-    check_target(dst, overwrite)
+    src, dst = check_quantize_target(src, dst, overwrite)
     if quantization_config(load_config(src)) is not None:
         raise CheckpointError(f"{str(src)!r} is already quantised (its config.json has a {QUANT_KEY})")
     files, weight_map = checkpoint_files(src)

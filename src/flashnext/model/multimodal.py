@@ -14,25 +14,16 @@ State-dict names equal the reference's in-memory `Qwen4ExpForConditionalGenerati
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import torch
 from torch import nn
 
-from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments, next_token_targets
+from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError, InputError
-from flashnext.model.fused import apply_linear
+from flashnext.model.heads import CausalLMOutput, causal_lm_outputs
 from flashnext.model.mtp import MultiTokenPredictor
-from flashnext.model.state import StepBatch, StepState
-from flashnext.model.text import (
-    CausalLMOutput,
-    FlashNextForCausalLM,
-    FlashNextTextModel,
-    head_outputs,
-    last_token_logits,
-    mtp_outputs,
-)
+from flashnext.model.text import FlashNextForCausalLM, FlashNextTextModel
 from flashnext.model.vision import VisionModel, grid_list
 
 TEXT_TYPE, IMAGE_TYPE = 0, 1
@@ -125,6 +116,9 @@ class FlashNextForConditionalGeneration(nn.Module):
     same head as the text model's, trained with `return_mtp` and served by `draft_step`).
     """
 
+    # The serving steps are the text model's: image features come in `forward_step`'s `inputs_embeds` (`embed`)
+    # and MRoPE positions in `step` (`make_step(..., mrope=...)`), so the tower never runs in a serving step.
+    forward_step = FlashNextForCausalLM.forward_step
     draft_step = FlashNextForCausalLM.draft_step
     mtp_head_weight = FlashNextForCausalLM.mtp_head_weight
 
@@ -199,14 +193,7 @@ class FlashNextForConditionalGeneration(nn.Module):
         embeds = self.embed(ids, pixel_values, image_grid_thw, inputs.per_token["mm_token_type_ids"])
         if position_ids is None and image_grid_thw is not None:
             seg = self.mrope_segments(ids, seg, inputs.per_token["mm_token_type_ids"], image_grid_thw)
-        if return_mtp and self.mtp is None:
-            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
-        hidden, experts, residual = self.model.language_model(ids, seg, routed_experts, inputs_embeds=embeds)
-        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits)
-        if return_mtp:
-            mtp_outputs(self, out, residual, inputs if seg is inputs.seg else replace(inputs, seg=seg), return_logits,
-                        lambda x, fill: next_token_targets(x, seg, fill))  # fmt: skip
-        return out
+        return causal_lm_outputs(self, inputs, seg, routed_experts, embeds, return_logits, return_mtp)
 
     def _check_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> None:
         """Host-side shape/dtype checks of the image inputs (counts against the placeholders: `embed`)."""
@@ -225,31 +212,6 @@ class FlashNextForConditionalGeneration(nn.Module):
                 f"pixel_values must be [n_patches, {patch_dim}] (one flattened patch per row), "
                 f"got {tuple(pixel_values.shape)}"
             )
-
-    @torch.no_grad()
-    def forward_step(
-        self,
-        input_ids: torch.Tensor,
-        step: StepBatch,
-        cache,
-        inputs_embeds: torch.Tensor | None = None,
-        *,
-        return_routing: bool = False,
-        rows: torch.Tensor | None = None,
-        with_residual: bool = False,
-    ):
-        """One serving step, as `FlashNextForCausalLM.forward_step` (`return_routing`, `rows` and `with_residual`
-        too); image features come in `inputs_embeds` (`embed`) and MRoPE positions in `step` (`make_step(...,
-        mrope=...)`), so the tower never runs here."""
-        state = StepState(step, cache.layers)
-        lm = self.model.language_model
-        hidden, routed, residual = lm(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
-        if rows is None:
-            logits = last_token_logits(self.lm_head, hidden, step)
-        else:
-            logits = apply_linear(self.lm_head, hidden.index_select(0, rows), fused=True, contiguous=False)
-        extras = ((residual,) if with_residual else ()) + ((routed,) if return_routing else ())
-        return (logits, *extras) if extras else logits
 
     def state_spec(self, max_len: int) -> list[dict]:
         """Per decoder layer, the per-sequence serving state (the vision tower keeps none), then the MTP head's."""

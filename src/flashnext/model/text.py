@@ -5,18 +5,17 @@ Legend: B/S padded batch/sequence, T flat tokens, D hidden, hc streams, V vocab,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.batch import ModelInputs, Segments, flatten_inputs, integer_tensor, next_token_targets
+from flashnext.batch import Segments, flatten_inputs, integer_tensor
 from flashnext.config import TextConfig
 from flashnext.errors import InputError
 from flashnext.model.context import ContextShard
 from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.fused import apply_linear, linear
+from flashnext.model.heads import CausalLMOutput, causal_lm_outputs, last_token_logits, last_token_rows
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.moe import Experts, Router
@@ -26,33 +25,8 @@ from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
 from flashnext.model.state import StepBatch, StepState, plan_blocks
-from flashnext.ops import lm_head as lm_head_ops
 
 MTP_OWN_HEAD = "mtp.shared_head.head.weight"  # a draft head of its own, when a checkpoint carries one
-
-
-@dataclass
-class CausalLMOutput:
-    """A forward's outputs (per-token ones in the caller's layout: [B, S, ...] padded, [T, ...] flat).
-
-    Attributes:
-        logits: [B, S, V] / [T, V]; None when the forward was asked for losses only (`return_logits=False`).
-        loss: mean next-token CE over label tokens (fp32), with `labels`.
-        routed_experts: int64 [T, L, k] (flat order).
-        loss_sum: the fp32 CE summed over the label tokens (what `loss` averages), with `labels`.
-        logprobs, entropy: fp32 [B, S] / [T], with `logprob_targets`: the log-prob of each row's target and the
-            entropy of the row's distribution.
-    """
-
-    logits: torch.Tensor | None
-    loss: torch.Tensor | None = None
-    routed_experts: torch.Tensor | None = None
-    loss_sum: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    mtp_logits: torch.Tensor | None = None
-    mtp_loss: torch.Tensor | None = None
-    mtp_loss_sum: torch.Tensor | None = None
 
 
 class FlashNextTextModel(nn.Module):
@@ -188,14 +162,7 @@ class FlashNextForCausalLM(nn.Module):
         )  # fmt: skip
         self._check_ids(inputs.ids)
         self._check_replay(routed_experts, inputs.ids.shape[0])
-        if return_mtp and self.mtp is None:
-            raise InputError("return_mtp=True but this model has no MTP head (its config declares no MTP layer)")
-        hidden, experts, residual = self.model(inputs.ids, inputs.seg, routed_experts, cp=cp)
-        shift = _shifter(inputs.seg, cp)
-        out = head_outputs(self.lm_head, hidden, inputs, experts, return_logits, shift)
-        if return_mtp:
-            mtp_outputs(self, out, residual, inputs, return_logits, shift, cp)
-        return out
+        return causal_lm_outputs(self, inputs, inputs.seg, routed_experts, None, return_logits, return_mtp, cp)
 
     def mtp_logits(self, residual: torch.Tensor, input_ids: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The MTP head over a whole stream (training): residual [T, hc*D], ids [T] -> draft logits [T, V]."""
@@ -258,7 +225,7 @@ class FlashNextForCausalLM(nn.Module):
             same expert ids `forward` returns for these tokens).
         """
         state = StepState(step, cache.layers)
-        hidden, routed, residual = self.model(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
+        hidden, routed, residual = self.decoder(input_ids, step.seg, inputs_embeds=inputs_embeds, state=state)
         if rows is None:
             logits = last_token_logits(self.lm_head, hidden, step)
         else:
@@ -339,30 +306,6 @@ class FlashNextForCausalLM(nn.Module):
         save_pretrained(self, path, **kwargs)
 
 
-def mtp_outputs(model, out: CausalLMOutput, residual: torch.Tensor, inputs: ModelInputs, return_logits: bool,
-                shift, cp: ContextShard | None = None) -> None:  # fmt: skip
-    """Fill `out.mtp_logits` / `out.mtp_loss` of `model` (a causal LM or the composite model, with `mtp`) from the
-    trunk's residual [T, hc*D]; without `return_logits` the draft loss comes from the chunked head
-    (`ops.lm_head`) and `mtp_logits` stays None. `shift(x, fill)`: the within-sequence next row (across the slice's
-    edge under `cp`). The head embeds each cell's next token id (image placeholders included: the draft step of a
-    served image prompt then needs no image features)."""
-    decoder = model.decoder
-    rope = decoder.rotary(inputs.seg.position_ids, residual.dtype)
-    _, y = model.mtp(residual, decoder.embed_tokens(shift(inputs.ids, 0)), rope, inputs.seg, cp=cp)
-    weight, labels = model.mtp_head_weight(), inputs.per_token["labels"]
-    if return_logits:
-        mtp_logits = F.linear(y, weight)
-        out.mtp_logits = inputs.pad_back(mtp_logits)
-    if labels is None:
-        return
-    tgt = shift(shift(labels, -100), -100)  # labels[t + 2] within the sequence (`mtp.mtp_targets`)
-    if return_logits:
-        out.mtp_loss_sum = F.cross_entropy(mtp_logits.float(), tgt, ignore_index=-100, reduction="sum")
-    else:
-        out.mtp_loss_sum = lm_head_ops.linear_cross_entropy(y, weight, tgt)
-    out.mtp_loss = out.mtp_loss_sum / (tgt != -100).sum()
-
-
 class WholeTensorInit:
     """How `init_modules` writes a value: whole tensors, drawn from `gen` (None: torch's global generator).
     `parallel/init.py` subclasses it to keep only a rank's shard of the same draws."""
@@ -411,74 +354,3 @@ def init_modules(model: nn.Module, init: WholeTensorInit) -> None:
         elif isinstance(m, PLELayer):
             init.const(m.conv1d.weight, 0.0)
     model.reset_buffers()
-
-
-def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
-    """The rows [n_live, D] of the last token of every live entry of a serving step. hidden: [T, D].
-
-    A static step returns every entry's row, padding included ([N, D]; the caller drops the padding rows): which
-    entries are live is a device tensor there, and reading it would be a host sync inside the compiled step."""
-    if step.static:
-        return hidden
-    last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
-    if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
-        hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))
-    return hidden
-
-
-def last_token_logits(lm_head: nn.Module, hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
-    """Logits [n_live, V] of the last token of every live entry of a serving step. hidden: [T, D]."""
-    return apply_linear(lm_head, last_token_rows(hidden, step), fused=True, contiguous=False)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Next-token CE within each sequence, in fp32, averaged over label tokens. logits [T, V], labels [T]."""
-    nxt = next_token_targets(labels, seg)
-    return F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum") / (nxt != -100).sum()
-
-
-def _shifter(seg: Segments, cp: ContextShard | None):
-    """`shift(x, fill)`: each row's next row within its sequence (`fill` at the last): `next_token_targets` on the
-    stream, or `cp.next_rows` across a context-parallel slice's right edge."""
-    if cp is None:
-        return lambda x, fill: next_token_targets(x, seg, fill)
-    return cp.next_rows
-
-
-def head_outputs(
-    lm_head: nn.Linear,
-    hidden: torch.Tensor,
-    inputs: ModelInputs,
-    experts: torch.Tensor,
-    return_logits: bool,
-    shift=None,
-) -> CausalLMOutput:
-    """The LM head's outputs of a forward: logits, and the loss / target log-probs the inputs ask for.
-
-    With `return_logits` the logits [T, V] are materialised and the losses computed from them (the plain path);
-    without, `ops.lm_head` computes them in row chunks (the fast path: no [T, V] tensor; equal to fp32 rounding).
-
-    Args:
-        hidden: [T, D] the final hidden states; inputs: the forward's `ModelInputs` (`labels`,
-            `logprob_targets` in `per_token`); experts: the routed experts to pass through.
-        shift: `shift(labels, -100)` -> next-token targets (default: within `inputs.seg`; see `_shifter`).
-    """
-    labels, targets = inputs.per_token.get("labels"), inputs.per_token.get("logprob_targets")
-    logits = lm_head(hidden) if return_logits else None
-    out = CausalLMOutput(logits=None if logits is None else inputs.pad_back(logits), routed_experts=experts)
-    if labels is not None:
-        nxt = shift(labels, -100) if shift is not None else next_token_targets(labels, inputs.seg)
-        if logits is not None:
-            out.loss_sum = F.cross_entropy(logits.float(), nxt, ignore_index=-100, reduction="sum")
-        else:
-            out.loss_sum = lm_head_ops.linear_cross_entropy(hidden, lm_head.weight, nxt)
-        out.loss = out.loss_sum / (nxt != -100).sum()
-    if targets is not None:
-        targets = targets.long()
-        if logits is not None:
-            logp = F.log_softmax(logits.float(), dim=-1)
-            lp, entropy = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-        else:
-            lp, entropy = lm_head_ops.linear_logprobs(hidden, lm_head.weight, targets)
-        out.logprobs, out.entropy = inputs.pad_back(lp), inputs.pad_back(entropy)
-    return out

@@ -14,16 +14,15 @@ import torch
 
 from flashnext.config import ModelConfig
 from flashnext.errors import ConfigError
+from flashnext.manifest import TABLE, parameters
 from flashnext.plan import (
     DTYPE_BYTES,
-    TABLE,
     Plan,
     PlanOptions,
     Row,
     StoredAs,
     format_plan,
     machine_capacity,
-    parameters,
     shortfall,
     stored_as,
     weight_rows,
