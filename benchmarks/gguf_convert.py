@@ -329,7 +329,8 @@ def _ple_metadata(model, arch: str) -> dict:
         f"{arch}.ple.conv_kernel": cfg.ple_conv_kernel_size,
         f"{arch}.ple.eos_token_id": cfg.eos_id,
         f"{arch}.embedding_length_per_layer_input": emb.ngram_embedding.embedding_dim,
-        f"{arch}.ple.layer_multipliers": Typed(ARRAY, emb.layer_multipliers.tolist(), I64),
+        # uint64, as llama.cpp reads (and its saver writes) it; the multipliers are positive
+        f"{arch}.ple.layer_multipliers": Typed(ARRAY, emb.layer_multipliers.tolist(), U64),
         f"{arch}.ple.head_offsets": Typed(ARRAY, emb.ngram_heads_offsets.tolist(), U64),
         f"{arch}.ple.head_vocab_sizes": Typed(ARRAY, emb.ngram_heads_vocab_sizes.tolist(), U64),
     }
