@@ -18,6 +18,7 @@ from flashnext.model.multimodal import get_rope_index
 from flashnext.serve import grammar, structured
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.request import Request
+from flashnext.serve.spec_auto import K_MAX, is_auto
 from flashnext.serve.sampling import (
     MAX_SPECULATIVE_TOKENS,
     FieldError,
@@ -99,9 +100,14 @@ class Intake:
 
 def check_speculative(k, model) -> int:
     """The engine's default draft tokens `k`, checked: an integer in [0, MAX_SPECULATIVE_TOKENS], 0 for a
-    model without an MTP head. Raises `ConfigError`."""
+    model without an MTP head; "auto" (`serve.spec_auto`) is its longest draft, 0 without a head. Raises
+    `ConfigError`."""
+    if is_auto(k):
+        return K_MAX if model.mtp is not None else 0
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        raise ConfigError(
+            f'num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or "auto", got {k!r}'
+        )
     if k and model.mtp is None:
         raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
     return k

@@ -1,0 +1,197 @@
+"""Adaptive speculative decoding (`num_speculative_tokens="auto"`): draft only where it pays, per request.
+
+Drafting k tokens costs k draft steps (the MTP head: its cell step, then chained steps) and k more fed tokens per
+request in the verify step; it yields the accepted drafts plus the target's one token. With a per-position
+acceptance a (each draft accepted with probability a once the ones before it were), a verify step with k drafts
+emits E(k) = 1 + a + a^2 + ... + a^k tokens on average. Measured against a plain step of the same batch (time t0):
+- c = (time of one draft step) / t0, the draft's cost ratio;
+- v = B * m / t0, where m is the marginal time of one more fed token in the step and B the batch: every request
+  of the batch feeding k more tokens adds B*k*m. v grows with the batch: past the batch where verification stops
+  being almost free, no k pays and drafting turns itself off.
+Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + k*(c + v)); `choose_k` takes the
+k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
+
+`AutoSpec` keeps what the choice needs:
+- per request, an exponentially weighted acceptance (each verified draft a Bernoulli trial: accepted drafts are
+  successes, the first rejected one a failure), seeded from the engine-wide rate (itself seeded at `prior_rate`);
+- per batch bucket (powers of two), the step time as a decayed least-squares line in the tokens fed beyond one
+  per request (intercept t0, slope m), from decode-only steps; and the draft time per draft step. Until a bucket
+  has two distinct points the `prior_c` / `prior_v` ratios stand in. Tests inject fixed ratios (`fixed`).
+A request whose choice is 0 steps aside: its `spec_k` goes to 0, so its steps are plain (no residual, no head
+cells, the decode graph again when nothing else speculates). Every `probe_every` of its steps it is re-armed for
+one probe: the head restarts from its current position (cells skipped while it was plain are not fed: the
+probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
+updates its acceptance; the next choice keeps it drafting or sends it back.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step with k drafts emits on average at per-position acceptance a: sum_{i=0..k} a^i."""
+    total, term = 1.0, 1.0
+    for _ in range(k):
+        term *= a
+        total += term
+    return total
+
+
+def choose_k(a: float, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
+    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc); 0 when no k > 0
+    beats plain decoding by `min_gain`. Ties (within 1e-9) go to the shorter draft."""
+    gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
+    top = max(gains)
+    best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
+    return best if gains[best] >= min_gain else 0
+
+
+def bucket(batch: int) -> int:
+    """The power of two at or above `batch` (costs are kept per bucket)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class _Line:
+    """Decayed least squares of step seconds against extra fed tokens: (t0, m) once two distinct x were seen."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.s = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        n, sx, sy, sxx, sxy = (v * d for v in self.s)
+        self.s = [n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+
+    def fit(self) -> tuple[float, float] | None:
+        n, sx, sy, sxx, sxy = self.s
+        det = n * sxx - sx * sx
+        if n < 2 or det <= 1e-9 * max(1.0, n * sxx):
+            return None
+        m = max(0.0, (n * sxy - sx * sy) / det)
+        t0 = (sy - m * sx) / n
+        return (t0, m) if t0 > 0 else None
+
+    def mean(self) -> tuple[float, float] | None:
+        n, sx, sy = self.s[:3]
+        return (sx / n, sy / n) if n else None
+
+
+class AutoSpec:
+    """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
+
+    Args:
+        k_max: the longest draft.
+        fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
+        prior_rate: the engine-wide acceptance before any verification.
+        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
+        alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
+        min_gain: the expected gain a draft must promise over plain decoding.
+        probe_every: plain steps of a request between probes.
+    """
+
+    def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
+                 prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
+                 min_gain: float = 1.03, probe_every: int = 16, decay: float = 0.98):  # fmt: skip
+        self.k_max, self.fixed = k_max, fixed
+        self.rate = prior_rate
+        self.prior_c, self.prior_v = prior_c, prior_v
+        self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
+        self.probe_every, self.decay = probe_every, decay
+        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
+        self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
+        self.probing: weakref.WeakSet = weakref.WeakSet()
+        self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
+        self.probes = 0  # one-draft probes of requests that had stepped aside
+        self.steps: dict[int, _Line] = {}
+        self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
+        self.batch = 1
+
+    # ---- acceptance --------------------------------------------------------------------------------------
+    def observe(self, req, drafted: int, accepted: int) -> None:
+        """One verify step of `req`: `accepted` of its `drafted` drafts."""
+        r = self.rates.get(req, self.rate)
+        trials = [1.0] * accepted + ([0.0] if accepted < drafted else [])
+        for x in trials:
+            r += self.alpha * (x - r)
+            self.rate += self.global_alpha * (x - self.rate)
+        self.rates[req] = r
+
+    # ---- costs -------------------------------------------------------------------------------------------
+    def record_step(self, batch: int, extra_tokens: int, seconds: float) -> None:
+        """A decode-only model step of `batch` requests that fed `extra_tokens` beyond one each."""
+        self.steps.setdefault(bucket(batch), _Line(self.decay)).add(extra_tokens, seconds)
+
+    def record_drafts(self, batch: int, draft_steps: int, seconds: float) -> None:
+        """A proposal (head cells, then chained draft steps) of `draft_steps` drafts for `batch` requests."""
+        b, per = bucket(batch), seconds / max(1, draft_steps)
+        self.draft[b] = per if b not in self.draft else self.draft[b] + 0.2 * (per - self.draft[b])
+
+    def record_plan(self, plan, seconds: float) -> None:
+        """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
+        every entry decodes (no prompt chunk), with the tokens fed beyond one per entry."""
+        if all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
+            self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+
+    def record_proposal(self, batch: int, cells, seconds: float) -> None:
+        """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
+        its longest draft (the head's cell step is the first)."""
+        longest = max((len(req.drafts) for req, _ in cells), default=0)
+        if longest:  # a proposal of head cells alone (a prompt chunk's) says little of a draft step's cost
+            self.record_drafts(batch, longest, seconds)
+
+    def costs(self, batch: int) -> tuple[float, float]:
+        """(c, v) at this batch size: measured where the bucket has them, else the priors."""
+        if self.fixed is not None:
+            return self.fixed
+        b = bucket(batch)
+        line = self.steps.get(b)
+        fit = line.fit() if line is not None else None
+        if fit is None:
+            mean = line.mean() if line is not None else None
+            if mean is None or b not in self.draft:
+                return self.prior_c, self.prior_v * batch
+            x, y = mean  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
+            t0 = y / (1.0 + self.prior_v * x)
+            return self.draft[b] / t0, self.prior_v * batch
+        t0, m = fit
+        c = self.draft[b] / t0 if b in self.draft else self.prior_c
+        return c, batch * m / t0
+
+    # ---- the choice ----------------------------------------------------------------------------------------
+    def draft_count(self, req, cap: int) -> int:
+        """Drafts for `req`'s next step, at most `cap` (the speculator's limit); 0 sends it plain (`spec_k` 0)."""
+        if req in self.probing:
+            self.probing.discard(req)
+            self.probes += 1
+            return min(1, cap)
+        c, v = self.costs(self.batch)
+        k = min(cap, choose_k(self.rates.get(req, self.rate), c, v, self.k_max, self.min_gain))
+        self.last_k[req] = k
+        if k == 0 and cap > 0:
+            req.spec_k, req.drafts = 0, []
+            self.plain_steps[req] = 0
+        return k
+
+    def before_step(self, running) -> None:
+        """Count the plain steps of requests that stepped aside; re-arm those due for a probe."""
+        self.batch = max(1, len(running))
+        for req in running:
+            n = self.plain_steps.get(req)
+            if n is None or req.finished:
+                continue
+            if n + 1 < self.probe_every:
+                self.plain_steps[req] = n + 1
+                continue
+            del self.plain_steps[req]
+            self.probing.add(req)
+            req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+
+
+def is_auto(k) -> bool:
+    """`num_speculative_tokens="auto"` (any case)."""
+    return isinstance(k, str) and k.strip().lower() == "auto"
+

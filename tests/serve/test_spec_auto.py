@@ -1,0 +1,154 @@
+"""Adaptive speculative decoding (`num_speculative_tokens="auto"`, `serve.spec_auto`): the draft-length choice
+against its formula, the cost bookkeeping, and the engine's behaviour with drafts that pay and drafts that do not.
+
+Costs are injected (`AutoSpec(fixed=(c, v))`): no timing in these tests. Greedy runs are compared with the plain
+run as in test_speculative.py (a divergence only at a near tie, `compare_greedy`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from spec_helpers import KnownDrafts, compare_greedy, spec_model
+
+from flashnext.errors import ConfigError
+from flashnext.serve.engine import Engine
+from flashnext.serve.sampling import SamplingParams
+from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens
+
+
+# ---- the choice against its formula -----------------------------------------------------------------------------
+def _reference_k(a: float, c: float, v: float, k_max: int, min_gain: float) -> int:
+    """argmax over k of (1 - a^(k+1)) / (1 - a) / (1 + k (c + v)), the shortest among equals; 0 below min_gain."""
+    def gain(k):
+        e = k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        return e / (1.0 + k * (c + v))
+
+    gains = [gain(k) for k in range(k_max + 1)]
+    best = max(gains)
+    k = next(k for k, g in enumerate(gains) if g >= best - 1e-9)
+    return k if gains[k] >= min_gain else 0
+
+
+@pytest.mark.parametrize("min_gain", [1.0, 1.05])
+def test_choose_k_is_the_formulas_argmax(min_gain):
+    grid = itertools.product([0.0, 0.05, 0.2, 0.4, 0.55, 0.7, 0.85, 0.95, 1.0], [0.0, 0.02, 0.1, 0.3, 0.6, 1.2],
+                             [0.0, 0.01, 0.1, 0.5], [0, 1, 3, 4, 8])  # fmt: skip
+    for a, c, v, k_max in grid:
+        assert choose_k(a, c, v, k_max, min_gain) == _reference_k(a, c, v, k_max, min_gain), (a, c, v, k_max)
+
+
+def test_choose_k_reads_as_expected():
+    """Worked cases: a free draft with certain acceptance takes the longest; a draft as dear as a step never pays
+    below certain acceptance; no acceptance, no draft; a big batch's verify cost turns drafting off."""
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert choose_k(1.0, 0.0, 0.0, 4) == 4
+    assert choose_k(0.9, 1.0, 0.0, 4) == 0  # gain(1) = 1.9 / 2 < 1
+    assert choose_k(0.0, 0.01, 0.0, 4) == 0
+    assert choose_k(0.7, 0.05, 0.0, 4) >= 3
+    assert choose_k(0.7, 0.05, 16 * 0.05, 4) == 0  # (1 + 0.7) / (1 + 0.85) < 1
+
+
+def test_costs_from_step_times():
+    """Steps t = t0 + m x (x extra tokens) and draft steps of t_d give c = t_d / t0, v = B m / t0; an unmeasured
+    bucket falls back to the priors; acceptance is an exponential average seeded from the engine's rate."""
+    auto = AutoSpec(prior_c=0.3, prior_v=0.02)
+    assert auto.costs(4) == (0.3, 0.08)
+    for x in (0, 4, 8, 0, 12):
+        auto.record_step(4, x, 0.010 + 0.0005 * x)
+    auto.record_drafts(4, 2, 0.004)
+    c, v = auto.costs(3)  # bucket 4
+    assert bucket(3) == bucket(4) == 4 and bucket(5) == 8 and bucket(1) == 1
+    assert c == pytest.approx(0.2, rel=1e-6) and v == pytest.approx(3 * 0.0005 / 0.010, rel=1e-6)
+    req = object.__new__(type("R", (), {}))
+    auto.rate = 0.5
+    auto.observe(req, 3, 1)  # one success, one failure
+    r = 0.5 + 0.15 * (1 - 0.5)
+    assert auto.rates[req] == pytest.approx(r + 0.15 * (0 - r))
+
+
+def test_auto_needs_no_head_and_refuses_other_strings(small_config):
+    from serve_helpers import small_model
+
+    assert Engine(small_model(small_config), None, max_slots=1, max_model_len=16,
+                  num_speculative_tokens="auto").spec_auto is None  # fmt: skip
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens must be .* or \"auto\", got 'fast'"):
+        Engine(small_model(small_config), None, max_slots=1, max_model_len=16, num_speculative_tokens="fast")
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------------
+LENS = [3, 17, 9, 30]
+PROMPTS = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(500 + n)).tolist() for n in LENS]
+PARAMS = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model(small_config_module):
+    return spec_model(small_config_module)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    engine = Engine(model, None, max_slots=4, max_model_len=160, max_num_batched_tokens=64)
+    return [c for r in [engine.add_request(p, PARAMS) for p in PROMPTS] for c in r.choices], engine
+
+
+def _run(engine):
+    reqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def _auto_engine(model, fixed=(0.1, 0.02)):
+    engine = Engine(model, None, max_slots=4, max_model_len=160, max_num_batched_tokens=64,
+                    num_speculative_tokens="auto")  # fmt: skip
+    engine.spec_auto.fixed = fixed
+    return engine
+
+
+def _plain_run(plain):
+    reqs, engine = plain
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def test_auto_keeps_drafting_when_drafts_are_right(model, plain):
+    """Drafts of the plain continuation, 10% made wrong: every request keeps k > 0 to its end, most tokens come
+    from accepted drafts, and the tokens are the plain run's."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.1)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    auto, s = engine.spec_auto, engine.stats
+    assert all(auto.last_k[r] > 0 for r in got), [auto.last_k[r] for r in got]
+    assert s.spec_accepted > 0.5 * sum(len(r.output_ids) for r in got) and s.acceptance_rate > 0.7
+
+
+def test_auto_steps_aside_when_drafts_fail(model, plain):
+    """The random head's drafts are almost all rejected: each request's k falls to 0 (its steps go plain, with a
+    one-draft probe every `probe_every` steps), far fewer drafts than fixed k would make, and the same tokens."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    auto, s = engine.spec_auto, engine.stats
+    assert all(auto.last_k[r] == 0 for r in got), [auto.last_k[r] for r in got]
+    assert s.acceptance_rate < 0.2
+    tokens = sum(len(r.output_ids) for r in got)
+    assert s.spec_drafted < 0.25 * tokens  # fixed k = 4 would draft ~4 per token
+    assert auto.probes >= len(got)  # the probes kept coming
+
+
+def test_auto_turns_off_when_verification_costs(model, plain):
+    """Right drafts but a verify cost that eats their gain (v = 2): no request drafts after its first choice."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model, fixed=(0.1, 2.0))
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert all(engine.spec_auto.last_k[r] == 0 for r in got)
