@@ -155,6 +155,7 @@ class Engine:
         self.spec_auto = AutoSpec() if is_auto(num_speculative_tokens) and has_mtp else None
         if self.spec_auto is not None:
             self.speculator.auto = self.spec_auto
+            self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then
         graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
         self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
