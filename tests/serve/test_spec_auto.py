@@ -74,7 +74,8 @@ def test_auto_needs_no_head_and_refuses_other_strings(small_config):
 
     assert Engine(small_model(small_config), None, max_slots=1, max_model_len=16,
                   num_speculative_tokens="auto").spec_auto is None  # fmt: skip
-    with pytest.raises(ConfigError, match=r"num_speculative_tokens must be .* or \"auto\", got 'fast'"):
+    want = r"num_speculative_tokens must be an integer in \[0, 16\], got 'fast' \(or \"auto\"\)"
+    with pytest.raises(ConfigError, match=want):
         Engine(small_model(small_config), None, max_slots=1, max_model_len=16, num_speculative_tokens="fast")
 
 
@@ -142,13 +143,16 @@ def test_auto_steps_aside_when_drafts_fail(model, plain):
     tokens = sum(len(r.output_ids) for r in got)
     assert s.spec_drafted < 0.25 * tokens  # fixed k = 4 would draft ~4 per token
     assert auto.probes >= len(got)  # the probes kept coming
+    assert all(auto.backoff[r] > 1 for r in got)  # each failed probe doubled the wait
 
 
 def test_auto_turns_off_when_verification_costs(model, plain):
-    """Right drafts but a verify cost that eats their gain (v = 2): no request drafts after its first choice."""
+    """Right drafts but a verify cost that eats their gain (v = 2): no request ever drafts, not even a probe
+    (drafts certain to be accepted would not pay either)."""
     want = _plain_run(plain)
     engine = _auto_engine(model, fixed=(0.1, 2.0))
     KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
     got = _run(engine)
     assert compare_greedy(want, got) == []
     assert all(engine.spec_auto.last_k[r] == 0 for r in got)
+    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0

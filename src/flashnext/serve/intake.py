@@ -18,7 +18,6 @@ from flashnext.model.multimodal import get_rope_index
 from flashnext.serve import grammar, structured
 from flashnext.serve.loading import max_token_bytes
 from flashnext.serve.request import Request
-from flashnext.serve.spec_auto import K_MAX, is_auto
 from flashnext.serve.sampling import (
     MAX_SPECULATIVE_TOKENS,
     FieldError,
@@ -28,6 +27,7 @@ from flashnext.serve.sampling import (
     choice_seed,
     random_seed,
 )
+from flashnext.serve.spec_auto import K_MAX, is_auto
 
 __all__ = ["NO_MTP", "Intake", "check_prompt", "check_speculative", "encode_prompt", "image_positions", "make_choices"]
 
@@ -106,7 +106,7 @@ def check_speculative(k, model) -> int:
         return K_MAX if model.mtp is not None else 0
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(
-            f'num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or "auto", got {k!r}'
+            f'num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r} (or "auto")'
         )
     if k and model.mtp is None:
         raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")

@@ -21,7 +21,9 @@ A request whose choice is 0 steps aside: its `spec_k` goes to 0, so its steps ar
 cells, the decode graph again when nothing else speculates). Every `probe_every` of its steps it is re-armed for
 one probe: the head restarts from its current position (cells skipped while it was plain are not fed: the
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
-updates its acceptance; the next choice keeps it drafting or sends it back.
+updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
+doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
+would not pay at the current batch (its measured costs alone decide it).
 """
 
 from __future__ import annotations
@@ -90,22 +92,25 @@ class AutoSpec:
         prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
-        probe_every: plain steps of a request between probes.
+        probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
+            up to `max_backoff` times).
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
-                 min_gain: float = 1.03, probe_every: int = 16, decay: float = 0.98):  # fmt: skip
+                 min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98
+                 ):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = prior_rate
         self.prior_c, self.prior_v = prior_c, prior_v
         self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
-        self.probe_every, self.decay = probe_every, decay
+        self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
         self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
         self.probes = 0  # one-draft probes of requests that had stepped aside
+        self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
         self.steps: dict[int, _Line] = {}
         self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
         self.batch = 1
@@ -171,20 +176,34 @@ class AutoSpec:
         c, v = self.costs(self.batch)
         k = min(cap, choose_k(self.rates.get(req, self.rate), c, v, self.k_max, self.min_gain))
         self.last_k[req] = k
-        if k == 0 and cap > 0:
+        if k > 0:
+            self.backoff.pop(req, None)
+        elif cap > 0:
             req.spec_k, req.drafts = 0, []
             self.plain_steps[req] = 0
+            if req in self.backoff:  # a probe that did not bring it back: wait twice as long for the next one
+                self.backoff[req] = min(self.backoff[req] * 2, self.max_backoff)
+            else:
+                self.backoff[req] = 1
         return k
 
     def before_step(self, running) -> None:
-        """Count the plain steps of requests that stepped aside; re-arm those due for a probe."""
+        """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
+        `probe_every` steps, doubling after each probe that did not bring the request back, up to `max_backoff`
+        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1)."""
         self.batch = max(1, len(running))
+        could_pay = None
         for req in running:
             n = self.plain_steps.get(req)
             if n is None or req.finished:
                 continue
-            if n + 1 < self.probe_every:
+            if n + 1 < self.probe_every * self.backoff.get(req, 1):
                 self.plain_steps[req] = n + 1
+                continue
+            if could_pay is None:
+                could_pay = choose_k(1.0, *self.costs(self.batch), self.k_max, self.min_gain) > 0
+            if not could_pay:
+                self.plain_steps[req] = 0
                 continue
             del self.plain_steps[req]
             self.probing.add(req)
