@@ -22,6 +22,7 @@ from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_token
 # ---- the choice against its formula -----------------------------------------------------------------------------
 def _reference_k(a: float, c: float, v: float, k_max: int, min_gain: float) -> int:
     """argmax over k of (1 - a^(k+1)) / (1 - a) / (1 + k (c + v)), the shortest among equals; 0 below min_gain."""
+
     def gain(k):
         e = k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
         return e / (1.0 + k * (c + v))

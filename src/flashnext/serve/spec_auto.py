@@ -213,4 +213,3 @@ class AutoSpec:
 def is_auto(k) -> bool:
     """`num_speculative_tokens="auto"` (any case)."""
     return isinstance(k, str) and k.strip().lower() == "auto"
-
