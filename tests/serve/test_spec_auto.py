@@ -149,11 +149,14 @@ def test_auto_steps_aside_when_drafts_fail(model, plain):
 
 def test_auto_turns_off_when_verification_costs(model, plain):
     """Right drafts but a verify cost that eats their gain (v = 2): no request ever drafts, not even a probe
-    (drafts certain to be accepted would not pay either)."""
+    (drafts certain to be accepted would not pay either), and no step takes the speculative path (the requests
+    start plain: no head cells for their prompts)."""
     want = _plain_run(plain)
     engine = _auto_engine(model, fixed=(0.1, 2.0))
+    forward, spec_steps = engine.speculator.forward, []
+    engine.speculator.forward = lambda *a, **k: spec_steps.append(1) or forward(*a, **k)
     KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
     got = _run(engine)
     assert compare_greedy(want, got) == []
-    assert all(engine.spec_auto.last_k[r] == 0 for r in got)
-    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0
+    assert all(engine.spec_auto.last_k.get(r, 0) == 0 for r in got)  # (never asked: they started plain)
+    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []

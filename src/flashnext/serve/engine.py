@@ -228,7 +228,7 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.set_weights(self.weight_version, self._weights_generation)
         if self.spec_auto is not None:
-            self.spec_auto.before_step(self.running)
+            self.spec_auto.before_step(self.running, self.waiting, self.cache.max_slots)
         plan = self.scheduler.schedule(self.max_num_batched_tokens, self.admitting, self.weight_version)
         if plan:
             t0 = time.perf_counter()

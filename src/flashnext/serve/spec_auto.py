@@ -148,6 +148,11 @@ class AutoSpec:
         if longest:  # a proposal of head cells alone (a prompt chunk's) says little of a draft step's cost
             self.record_drafts(batch, longest, seconds)
 
+    def measured(self, batch: int) -> bool:
+        """Whether `costs(batch)` comes from measurements (or `fixed`), not the priors."""
+        line = self.steps.get(bucket(batch))
+        return self.fixed is not None or (line is not None and line.fit() is not None and bucket(batch) in self.draft)
+
     def costs(self, batch: int) -> tuple[float, float]:
         """(c, v) at this batch size: measured where the bucket has them, else the priors."""
         if self.fixed is not None:
@@ -187,11 +192,20 @@ class AutoSpec:
                 self.backoff[req] = 1
         return k
 
-    def before_step(self, running) -> None:
+    def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
         """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
         `probe_every` steps, doubling after each probe that did not bring the request back, up to `max_backoff`
-        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1)."""
+        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1).
+        Queued requests not started yet start plain when the measured costs of the batch they will join say the
+        same (no head cells for their prompts)."""
         self.batch = max(1, len(running))
+        if waiting:
+            joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
+            if self.measured(joined) and choose_k(1.0, *self.costs(joined), self.k_max, self.min_gain) == 0:
+                for parent in waiting:
+                    for req in parent.choices or [parent]:
+                        if req.spec_k and req.num_cached == 0 and req.params.num_speculative_tokens is None:
+                            req.spec_k, self.plain_steps[req], self.backoff[req] = 0, 0, 1
         could_pay = None
         for req in running:
             n = self.plain_steps.get(req)
