@@ -63,6 +63,11 @@ def test_costs_from_step_times():
     c, v = auto.costs(3)  # bucket 4
     assert bucket(3) == bucket(4) == 4 and bucket(5) == 8 and bucket(1) == 1
     assert c == pytest.approx(0.2, rel=1e-6) and v == pytest.approx(3 * 0.0005 / 0.010, rel=1e-6)
+    auto.plain[4] = 0.008  # a measured plain step: the speculative steps' overhead (0.002) joins the token cost
+    c, v = auto.costs(4)
+    x, y = auto.steps[4].mean()  # (decayed means)
+    assert c == pytest.approx(0.25) and v == pytest.approx(4 * (y - 0.008) / x / 0.008)
+    assert (y - 0.008) / x > 0.0005  # the average cost per token, overhead included, above the line's slope
     req = object.__new__(type("R", (), {}))
     auto.rate = 0.5
     auto.observe(req, 3, 1)  # one success, one failure
@@ -160,3 +165,32 @@ def test_auto_turns_off_when_verification_costs(model, plain):
     assert compare_greedy(want, got) == []
     assert all(engine.spec_auto.last_k.get(r, 0) == 0 for r in got)  # (never asked: they started plain)
     assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []
+
+
+class _Req:
+    """A stand-in request: what `AutoSpec.before_step` reads and writes."""
+
+    def __init__(self, num_cached: int):
+        self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
+        self.mtp_cells, self.resume_residual, self.prompt_ids = num_cached, None, [1]
+        self.params = SamplingParams()
+
+
+def test_calibration_pauses_speculation_for_one_plain_step():
+    """After `calibrate_every` speculative decode steps of a bucket with no plain one, its speculating requests
+    go plain for one step (their drafts dropped) and come back the step after, their head restarting at the
+    current position; a fixed-k request is left alone."""
+    auto = AutoSpec(calibrate_every=3)
+    reqs, fixed = [_Req(10), _Req(20)], _Req(5)
+    fixed.params = SamplingParams(num_speculative_tokens=2)
+    plan = [(r, 1) for r in [*reqs, fixed]]
+    for _ in range(2):
+        auto.record_plan(plan, 0.01)
+        auto.before_step([*reqs, fixed])
+        assert all(r.spec_k == 4 for r in reqs)
+    auto.record_plan(plan, 0.01)  # the third speculative step since a plain one
+    auto.before_step([*reqs, fixed])
+    assert [r.spec_k for r in reqs] == [0, 0] and all(r.drafts == [] for r in reqs) and fixed.spec_k == 4
+    reqs[0].num_cached = 11
+    auto.before_step([*reqs, fixed])
+    assert [r.spec_k for r in reqs] == [4, 4] and reqs[0].mtp_cells == 11

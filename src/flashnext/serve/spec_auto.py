@@ -94,17 +94,19 @@ class AutoSpec:
         min_gain: the expected gain a draft must promise over plain decoding.
         probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
             up to `max_backoff` times).
+        calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
-                 min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98
-                 ):  # fmt: skip
+                 min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
+                 calibrate_every: int = 64):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = prior_rate
         self.prior_c, self.prior_v = prior_c, prior_v
         self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
         self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
+        self.calibrate_every = calibrate_every
         self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
@@ -114,6 +116,9 @@ class AutoSpec:
         self.steps: dict[int, _Line] = {}
         self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
         self.batch = 1
+        self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
+        self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
+        self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
@@ -137,9 +142,17 @@ class AutoSpec:
 
     def record_plan(self, plan, seconds: float) -> None:
         """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
-        every entry decodes (no prompt chunk), with the tokens fed beyond one per entry."""
-        if all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
-            self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+        every entry decodes (no prompt chunk): a plain step's time (no request speculating), or a speculative
+        step's with the tokens fed beyond one per entry."""
+        if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
+            return
+        b = bucket(len(plan))
+        if not any(req.spec_k for req, _ in plan):
+            self.plain[b] = seconds if b not in self.plain else self.plain[b] + 0.1 * (seconds - self.plain[b])
+            self.since_plain[b] = 0
+            return
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1
+        self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
 
     def record_proposal(self, batch: int, cells, seconds: float) -> None:
         """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
@@ -150,26 +163,33 @@ class AutoSpec:
 
     def measured(self, batch: int) -> bool:
         """Whether `costs(batch)` comes from measurements (or `fixed`), not the priors."""
-        line = self.steps.get(bucket(batch))
-        return self.fixed is not None or (line is not None and line.fit() is not None and bucket(batch) in self.draft)
+        b, line = bucket(batch), self.steps.get(bucket(batch))
+        if self.fixed is not None:
+            return True
+        return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
 
     def costs(self, batch: int) -> tuple[float, float]:
-        """(c, v) at this batch size: measured where the bucket has them, else the priors."""
+        """(c, v) at this batch size: measured where the bucket has them, else the priors. The plain step's time
+        t0 is the measured plain step's when there is one (the speculative step's fixed overhead then counts in
+        the per-token cost m, averaged over the tokens fed), else the line's intercept."""
         if self.fixed is not None:
             return self.fixed
         b = bucket(batch)
         line = self.steps.get(b)
-        fit = line.fit() if line is not None else None
-        if fit is None:
-            mean = line.mean() if line is not None else None
-            if mean is None or b not in self.draft:
-                return self.prior_c, self.prior_v * batch
-            x, y = mean  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
+        mean = line.mean() if line is not None else None
+        if mean is None or b not in self.draft:
+            return self.prior_c, self.prior_v * batch
+        x, y = mean
+        fit = line.fit()
+        if b in self.plain:
+            t0 = self.plain[b]
+            m = max(fit[1] if fit else 0.0, (y - t0) / x if x > 0 else 0.0)
+        elif fit is not None:
+            t0, m = fit
+        else:  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
             t0 = y / (1.0 + self.prior_v * x)
             return self.draft[b] / t0, self.prior_v * batch
-        t0, m = fit
-        c = self.draft[b] / t0 if b in self.draft else self.prior_c
-        return c, batch * m / t0
+        return self.draft[b] / t0, batch * m / t0
 
     # ---- the choice ----------------------------------------------------------------------------------------
     def draft_count(self, req, cap: int) -> int:
@@ -206,6 +226,7 @@ class AutoSpec:
                     for req in parent.choices or [parent]:
                         if req.spec_k and req.num_cached == 0 and req.params.num_speculative_tokens is None:
                             req.spec_k, self.plain_steps[req], self.backoff[req] = 0, 0, 1
+        self._calibrate(running)
         could_pay = None
         for req in running:
             n = self.plain_steps.get(req)
@@ -222,6 +243,28 @@ class AutoSpec:
             del self.plain_steps[req]
             self.probing.add(req)
             req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+
+    def _calibrate(self, running) -> None:
+        """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
+        decode steps without a plain one, pause its speculating requests for one step (a plain step to measure
+        against: without it a speculative step's fixed overhead would pass for plain cost)."""
+        for req in list(self.paused):
+            self.paused.discard(req)
+            if not req.finished and req.spec_k == 0:
+                req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+        b = bucket(self.batch)
+        if self.fixed is not None or self.since_plain.get(b, 0) < self.calibrate_every:
+            return
+        self.since_plain[b] = 0
+        for req in running:
+            if (
+                req.spec_k
+                and not req.finished
+                and req.params.num_speculative_tokens is None
+                and req not in self.probing
+            ):
+                req.spec_k, req.drafts = 0, []
+                self.paused.add(req)
 
 
 def is_auto(k) -> bool:
