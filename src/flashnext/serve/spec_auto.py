@@ -23,7 +23,10 @@ one probe: the head restarts from its current position (cells skipped while it w
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
 updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
 doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
-would not pay at the current batch (its measured costs alone decide it).
+would not pay at the current batch (its measured costs alone decide it), and once they are measured, queued
+requests that could not gain start plain. Calibration: after `calibrate_every` speculative decode steps of a
+bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
+(the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
 
 from __future__ import annotations
