@@ -10,7 +10,7 @@ takes about 3-5 minutes (one thread); `--save DIR` keeps the trained model, `--m
 
 Measurement: for batch b in 1, 16, b prompts (the first 4 words of b corpus lines), `--new-tokens` (default 128)
 new tokens each, greedy, EOS ignored; `Engine.generate` with b slots; tok/s = b * new tokens / wall seconds
-(prefill included). The runs alternate k = 0, 3, 1 in every repeat (the box is shared: each k sees the same load
+(prefill included). The runs alternate k = 0, 3, 1, auto in every repeat (the box is shared: each k sees the same load
 drift); printed are the median tok/s of `--repeats`, the speedup as the median over repeats of each repeat's
 tok/s ratio to its own k = 0 run (robust to load changing between repeats), the acceptance rate (accepted /
 drafted) and the mean accepted length (tokens per verify step, the one the target always gives included). Every
@@ -25,11 +25,17 @@ up to `--new-tokens` each, stopping at EOS as a server does; tok/s counts the to
 Output:
     trained <n> steps in <s>s: loss <x>, mtp_loss <y>          (or: loaded <dir>)
     batch=<b> k=<k> tok/s=<x> speedup=<x> acceptance=<a> mean_length=<l> same_tokens=<yes|no>
-    spec_speedup_batch1_k3=<x> acceptance_k3=<y>                (last line)
+    spec_speedup_batch1_k3=<x> acceptance_k3=<y> spec_auto_min=<x> [spec_auto_deep_b1=<x>]   (last line)
+
+`auto` is `num_speculative_tokens="auto"` (`serve.spec_auto`: per-request k from its acceptance and the measured
+draft/verify costs, 0 where drafting does not pay); `spec_auto_min` is its lowest speedup over the batch sizes.
+`--deep` trains a deep thin variant instead (the tiny default with 24 layers: a draft step is a far smaller share
+of a target step, as in the released model) and adds `spec_auto_deep_b<first batch>`.
 
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --train-steps 60 --repeats 3 --save /tmp/spec-tiny
     python benchmarks/spec_decode.py --model /tmp/spec-tiny
+    python benchmarks/spec_decode.py --deep --train-steps 100 --batches 1 4
     python benchmarks/spec_decode.py --model runs/tiny-sft/final --prompts sft --batches 1 --new-tokens 32
 """
 
@@ -49,12 +55,13 @@ import flashnext
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
 from flashnext.tokenizer import load_tokenizer
-from flashnext.train.config import load_run_config
+from flashnext.train.config import load_run_config, toml_literal
 from flashnext.train.loss import IGNORE_INDEX
 from flashnext.train.setup import load_examples
 from flashnext.train.trainer import Trainer
 
-KS = (0, 3, 1)
+KS = (0, 3, 1, "auto")
+DEEP = {"num_hidden_layers": 24, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "ple_layer_ids": [2]}
 
 
 def corpus_lines() -> list[str]:
@@ -71,8 +78,8 @@ def write_corpus(path: Path, tok, lines_per_example: int = 6) -> None:
             f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
 
 
-def train(steps: int, threads: int):
-    """The tiny default trained with the LM and MTP losses; returns (model, summary line)."""
+def train(steps: int, threads: int, deep: bool = False):
+    """The tiny default (`deep`: 24 layers of it) trained with the LM and MTP losses; (model, summary line)."""
     tok = load_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "corpus.jsonl"
@@ -83,6 +90,9 @@ def train(steps: int, threads: int):
             "--train.mtp_loss_weight=1.0", "--optim.lr=3e-3", "--optim.mtp_lr=3e-3", "--optim.warmup_steps=5",
             "--log.progress=false", "--log.peak_flops=1e9", "--checkpoint.export=false",
         ]  # fmt: skip
+        if deep:
+            model = {**DEEP, "layer_types": DEEP["layer_types"] * (DEEP["num_hidden_layers"] // 4)}
+            overrides.append("--model.overrides=" + toml_literal(model))
         trainer = Trainer(load_run_config(None, overrides), say=lambda *a, **k: None)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -134,7 +144,7 @@ def bench(model, tok, batch: int, new_tokens: int, repeats: int, sft: list[list[
             last[k] = (stats, tokens)
     out = {}
     for k in KS:
-        stats, tokens = last[k]
+        stats, tokens = last[k]  # (auto: the acceptance of the drafts it chose to make)
         speedup = statistics.median(r / r0 for r, r0 in zip(rates[k], rates[0], strict=True))
         out[k] = (statistics.median(rates[k]), speedup, stats.acceptance_rate, stats.mean_accepted_length,
                   tokens == last[0][1])  # fmt: skip
@@ -150,6 +160,7 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--deep", action="store_true", help="a deep thin model: the tiny default with 24 layers")
     p.add_argument(
         "--prompts",
         choices=["corpus", "sft"],
@@ -162,7 +173,7 @@ def main(argv=None) -> None:
     if args.model:
         model, summary = flashnext.from_pretrained(args.model), f"loaded {args.model}"
     else:
-        model, summary = train(args.train_steps, args.threads)
+        model, summary = train(args.train_steps, args.threads, args.deep)
         if args.save:
             model.save_pretrained(args.save)
             tok.save(args.save)
@@ -171,13 +182,16 @@ def main(argv=None) -> None:
     sft = sft_prompts(tok) if args.prompts == "sft" else None
     for batch in args.batches:
         results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats, sft)
-        for k in sorted(KS):
+        for k in sorted(KS, key=str):
             rate, speedup, acc, length, same = results[batch][k]
             same = "yes" if same else "no"
             spec = "" if k == 0 else f" acceptance={acc:.3f} mean_length={length:.2f} same_tokens={same}"
             print(f"batch={batch} k={k} tok/s={rate:.1f} speedup={speedup:.2f}{spec}", flush=True)
     first = results[args.batches[0]]
-    print(f"spec_speedup_batch{args.batches[0]}_k3={first[3][1]:.2f} acceptance_k3={first[3][2]:.3f}")
+    auto_min = min(results[b]["auto"][1] for b in args.batches)
+    deep = f" spec_auto_deep_b{args.batches[0]}={first['auto'][1]:.2f}" if args.deep else ""
+    print(f"spec_speedup_batch{args.batches[0]}_k3={first[3][1]:.2f} acceptance_k3={first[3][2]:.3f} "
+          f"spec_auto_min={auto_min:.2f}{deep}")  # fmt: skip
 
 
 if __name__ == "__main__":

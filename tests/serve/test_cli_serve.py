@@ -250,3 +250,27 @@ def test_a_signal_cancels_requests_in_flight_and_stops_in_one_line(sig):
     assert f"flashnext serve: {sig}: shutting down, cancelling 1 request(s) in flight" in err
     assert "Traceback" not in err
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "aborted"
+
+
+def test_speculative_auto_is_the_default_with_an_mtp_head(tmp_path):
+    """The tiny default has an MTP head: served with no flag it speculates in auto mode (`serve.spec_auto`);
+    `--speculative off` and `--speculative-tokens 0` turn it off, `--speculative-tokens 2` is a fixed k; a model
+    without a head is served without speculation and without complaint."""
+    from flashnext.build import build_model
+    from flashnext.config import parse_config, tiny_config_dict
+
+    def engine(*flags):
+        return _serve_app(build_parser().parse_args(["serve", "--max-slots", "2", *flags]))[2]
+
+    auto = engine()
+    assert auto.spec_auto is not None and auto.num_speculative_tokens > 0
+    for flags in (["--speculative", "off"], ["--speculative-tokens", "0"]):
+        off = engine(*flags)
+        assert off.spec_auto is None and off.num_speculative_tokens == 0
+    fixed = engine("--speculative-tokens", "2")
+    assert fixed.spec_auto is None and fixed.num_speculative_tokens == 2
+    raw = {k: v for k, v in tiny_config_dict().items() if k != "mtp_num_hidden_layers"}
+    build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+                              "ple_layer_ids": [1]}).text, seed=0).save_pretrained(tmp_path / "m")  # fmt: skip
+    no_head = engine("--model", str(tmp_path / "m"))
+    assert no_head.spec_auto is None and no_head.num_speculative_tokens == 0

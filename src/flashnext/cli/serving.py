@@ -46,11 +46,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-tokens",
         type=int,
-        default=0,
+        default=None,
         metavar="K",
-        help="draft tokens the model's MTP head proposes per step, verified in one step (default 0: off); "
-        "requests may set num_speculative_tokens themselves",
+        help="a fixed number of draft tokens the model's MTP head proposes per step, verified in one step (0: off; "
+        "overrides --speculative); requests may set num_speculative_tokens themselves",
     )
+    p.add_argument(
+        "--speculative", choices=["auto", "off"], default="auto",
+        help="auto (default): with an MTP head, each request drafts as many tokens as its running acceptance and "
+        "the measured draft/verify cost make pay, none when nothing pays (serve.spec_auto); off: no drafts",
+    )  # fmt: skip
     _add_prefix_cache_args(p)
     _add_ngram_storage_args(p)
     p.add_argument(
@@ -129,7 +134,9 @@ def _build_engine(args: argparse.Namespace):
         device=device, quant=_quant_scheme(args),
     )  # fmt: skip
     k = args.speculative_tokens
-    if k and model.mtp is None:
+    if k is None:  # --speculative: auto where the model has a head
+        k = "auto" if args.speculative == "auto" and model.mtp is not None else 0
+    elif k and model.mtp is None:
         raise ConfigError(
             f"--speculative-tokens {k}: {args.model or 'the model'} has no MTP draft head (no mtp.* weights, or no "
             "mtp_num_hidden_layers in its config.json); serve it without --speculative-tokens"

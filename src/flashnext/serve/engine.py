@@ -78,6 +78,7 @@ from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampler import Sampler
 from flashnext.serve.sampling import FAILED, SamplingParams
 from flashnext.serve.scheduler import Scheduler
+from flashnext.serve.spec_auto import AutoSpec, is_auto
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
 from flashnext.serve.weight_update import copy_pieces
@@ -97,7 +98,8 @@ class Engine:
         max_model_len: longest prompt + generation.
         max_num_batched_tokens: token budget of one step (decodes first, then prompt chunks).
         num_speculative_tokens: default draft tokens per step for requests that do not set
-            `SamplingParams.num_speculative_tokens` (0 = off); needs a model with an MTP head.
+            `SamplingParams.num_speculative_tokens` (0 = off); needs a model with an MTP head. "auto": each such
+            request drafts what pays, 0 when nothing does (`serve.spec_auto`; off for a model without a head).
         decode_graph: run decode-only steps as the compiled (CPU) / captured (CUDA) fixed-shape step of
             `serve.decode_graph` (prefill and speculative steps stay eager); False: every step eager.
         decode_buckets: the batch sizes decode steps are padded to (default `decode_graph.DEFAULT_BUCKETS`).
@@ -118,7 +120,7 @@ class Engine:
         max_slots: int = 16,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
-        num_speculative_tokens: int = 0,
+        num_speculative_tokens: int | str = 0,
         decode_graph: bool = False,
         decode_buckets: Sequence[int] | None = None,
         compile_backend: str = "inductor",
@@ -150,6 +152,10 @@ class Engine:
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
         if self.speculator is not None:
             self.speculator.controls = self.sampler.controls  # one table of token counts per request
+        self.spec_auto = AutoSpec() if is_auto(num_speculative_tokens) and has_mtp else None
+        if self.spec_auto is not None:
+            self.speculator.auto = self.spec_auto
+            self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then
         graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
         self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
@@ -221,6 +227,8 @@ class Engine:
         self._take_incoming()
         if self.prefix_cache is not None:
             self.prefix_cache.set_weights(self.weight_version, self._weights_generation)
+        if self.spec_auto is not None:
+            self.spec_auto.before_step(self.running, self.waiting, self.cache.max_slots)
         plan = self.scheduler.schedule(self.max_num_batched_tokens, self.admitting, self.weight_version)
         if plan:
             t0 = time.perf_counter()
@@ -229,6 +237,8 @@ class Engine:
             except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
                 self._recover(plan, exc)
             else:
+                if self.spec_auto is not None:
+                    self.spec_auto.record_plan(plan, time.perf_counter() - t0)
                 self._advance(plan, out, t0, routing, prompt)
         done, self._finished = self._finished, []
         return done
@@ -255,7 +265,10 @@ class Engine:
         for req, i, n in fed.to_verify:
             emitted += self._verify(req, i, n, spec)
         if spec is not None:
+            t1 = time.perf_counter()
             self.speculator.propose_or_stop(fed.cells, spec)
+            if self.spec_auto is not None:
+                self.spec_auto.record_proposal(len(plan), fed.cells, time.perf_counter() - t1)
         if self.prefix_cache is not None:  # the prefilled blocks (and the head's cells just proposed)
             for req, _ in plan:
                 if not req.finished:

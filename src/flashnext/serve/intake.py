@@ -27,6 +27,7 @@ from flashnext.serve.sampling import (
     choice_seed,
     random_seed,
 )
+from flashnext.serve.spec_auto import K_MAX, is_auto
 
 __all__ = ["NO_MTP", "Intake", "check_prompt", "check_speculative", "encode_prompt", "image_positions", "make_choices"]
 
@@ -99,9 +100,14 @@ class Intake:
 
 def check_speculative(k, model) -> int:
     """The engine's default draft tokens `k`, checked: an integer in [0, MAX_SPECULATIVE_TOKENS], 0 for a
-    model without an MTP head. Raises `ConfigError`."""
+    model without an MTP head; "auto" (`serve.spec_auto`) is its longest draft, 0 without a head. Raises
+    `ConfigError`."""
+    if is_auto(k):
+        return K_MAX if model.mtp is not None else 0
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        raise ConfigError(
+            f'num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r} (or "auto")'
+        )
     if k and model.mtp is None:
         raise ConfigError(f"num_speculative_tokens={k} needs a model with an MTP head: {NO_MTP}")
     return k

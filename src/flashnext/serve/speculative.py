@@ -104,6 +104,7 @@ class Speculator:
         self.model, self.cache, self.max_model_len, self.stats = model, cache, max_model_len, stats
         self.controls = LogitControls(None)  # the engine shares its sampler's (penalties per draft position)
         self.device = next(model.parameters()).device
+        self.auto = None  # the engine's `serve.spec_auto.AutoSpec` under num_speculative_tokens="auto"
 
     # ---- the verify step ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, step, embeds, plan: list[tuple[Request, int]], cu: list[int], routing=False,
@@ -172,6 +173,8 @@ class Speculator:
         req.num_accepted += verdict.accepted
         req.num_verify_steps += 1
         self.stats.speculation(d, verdict.accepted, 0 if verdict.accepted == d else n + verdict.accepted)
+        if d and self.auto is not None:
+            self.auto.observe(req, d, verdict.accepted)
 
     def settle(self, req: Request, i: int, n: int, out: SpecForward) -> tuple[Verdict | None, str | None]:
         """Verify entry i's drafts and commit the verdict (`verify`, `commit`): (verdict, None), or (None, why the
@@ -207,7 +210,10 @@ class Speculator:
         if req.num_tokens - req.num_cached > req.spec_k + 1 or req.forks:
             return 0
         remaining = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
-        return max(0, min(req.spec_k, remaining - 1))
+        k = max(0, min(req.spec_k, remaining - 1))
+        if k and self.auto is not None and req.params.num_speculative_tokens is None:  # the engine's "auto"
+            k = self.auto.draft_count(req, k)
+        return k
 
     # ---- the proposal -----------------------------------------------------------------------------------
     def propose_or_stop(self, cells: list[tuple[Request, int]], out: SpecForward) -> None:

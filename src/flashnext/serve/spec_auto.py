@@ -1,0 +1,275 @@
+"""Adaptive speculative decoding (`num_speculative_tokens="auto"`): draft only where it pays, per request.
+
+Drafting k tokens costs k draft steps (the MTP head: its cell step, then chained steps) and k more fed tokens per
+request in the verify step; it yields the accepted drafts plus the target's one token. With a per-position
+acceptance a (each draft accepted with probability a once the ones before it were), a verify step with k drafts
+emits E(k) = 1 + a + a^2 + ... + a^k tokens on average. Measured against a plain step of the same batch (time t0):
+- c = (time of one draft step) / t0, the draft's cost ratio;
+- v = B * m / t0, where m is the marginal time of one more fed token in the step and B the batch: every request
+  of the batch feeding k more tokens adds B*k*m. v grows with the batch: past the batch where verification stops
+  being almost free, no k pays and drafting turns itself off.
+Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + k*(c + v)); `choose_k` takes the
+k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
+
+`AutoSpec` keeps what the choice needs:
+- per request, an exponentially weighted acceptance (each verified draft a Bernoulli trial: accepted drafts are
+  successes, the first rejected one a failure), seeded from the engine-wide rate (itself seeded at `prior_rate`);
+- per batch bucket (powers of two), the step time as a decayed least-squares line in the tokens fed beyond one
+  per request (intercept t0, slope m), from decode-only steps; and the draft time per draft step. Until a bucket
+  has two distinct points the `prior_c` / `prior_v` ratios stand in. Tests inject fixed ratios (`fixed`).
+A request whose choice is 0 steps aside: its `spec_k` goes to 0, so its steps are plain (no residual, no head
+cells, the decode graph again when nothing else speculates). Every `probe_every` of its steps it is re-armed for
+one probe: the head restarts from its current position (cells skipped while it was plain are not fed: the
+probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
+updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
+doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
+would not pay at the current batch (its measured costs alone decide it), and once they are measured, queued
+requests that could not gain start plain. Calibration: after `calibrate_every` speculative decode steps of a
+bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
+(the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step with k drafts emits on average at per-position acceptance a: sum_{i=0..k} a^i."""
+    total, term = 1.0, 1.0
+    for _ in range(k):
+        term *= a
+        total += term
+    return total
+
+
+def choose_k(a: float, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
+    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc); 0 when no k > 0
+    beats plain decoding by `min_gain`. Ties (within 1e-9) go to the shorter draft."""
+    gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
+    top = max(gains)
+    best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
+    return best if gains[best] >= min_gain else 0
+
+
+def bucket(batch: int) -> int:
+    """The power of two at or above `batch` (costs are kept per bucket)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class _Line:
+    """Decayed least squares of step seconds against extra fed tokens: (t0, m) once two distinct x were seen."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.s = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        n, sx, sy, sxx, sxy = (v * d for v in self.s)
+        self.s = [n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+
+    def fit(self) -> tuple[float, float] | None:
+        n, sx, sy, sxx, sxy = self.s
+        det = n * sxx - sx * sx
+        if n < 2 or det <= 1e-9 * max(1.0, n * sxx):
+            return None
+        m = max(0.0, (n * sxy - sx * sy) / det)
+        t0 = (sy - m * sx) / n
+        return (t0, m) if t0 > 0 else None
+
+    def mean(self) -> tuple[float, float] | None:
+        n, sx, sy = self.s[:3]
+        return (sx / n, sy / n) if n else None
+
+
+class AutoSpec:
+    """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
+
+    Args:
+        k_max: the longest draft.
+        fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
+        prior_rate: the engine-wide acceptance before any verification.
+        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
+        alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
+        min_gain: the expected gain a draft must promise over plain decoding.
+        probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
+            up to `max_backoff` times).
+        calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
+    """
+
+    def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
+                 prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
+                 min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
+                 calibrate_every: int = 64):  # fmt: skip
+        self.k_max, self.fixed = k_max, fixed
+        self.rate = prior_rate
+        self.prior_c, self.prior_v = prior_c, prior_v
+        self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
+        self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
+        self.calibrate_every = calibrate_every
+        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
+        self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
+        self.probing: weakref.WeakSet = weakref.WeakSet()
+        self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
+        self.probes = 0  # one-draft probes of requests that had stepped aside
+        self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
+        self.steps: dict[int, _Line] = {}
+        self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
+        self.batch = 1
+        self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
+        self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
+        self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
+
+    # ---- acceptance --------------------------------------------------------------------------------------
+    def observe(self, req, drafted: int, accepted: int) -> None:
+        """One verify step of `req`: `accepted` of its `drafted` drafts."""
+        r = self.rates.get(req, self.rate)
+        trials = [1.0] * accepted + ([0.0] if accepted < drafted else [])
+        for x in trials:
+            r += self.alpha * (x - r)
+            self.rate += self.global_alpha * (x - self.rate)
+        self.rates[req] = r
+
+    # ---- costs -------------------------------------------------------------------------------------------
+    def record_step(self, batch: int, extra_tokens: int, seconds: float) -> None:
+        """A decode-only model step of `batch` requests that fed `extra_tokens` beyond one each."""
+        self.steps.setdefault(bucket(batch), _Line(self.decay)).add(extra_tokens, seconds)
+
+    def record_drafts(self, batch: int, draft_steps: int, seconds: float) -> None:
+        """A proposal (head cells, then chained draft steps) of `draft_steps` drafts for `batch` requests."""
+        b, per = bucket(batch), seconds / max(1, draft_steps)
+        self.draft[b] = per if b not in self.draft else self.draft[b] + 0.2 * (per - self.draft[b])
+
+    def record_plan(self, plan, seconds: float) -> None:
+        """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
+        every entry decodes (no prompt chunk): a plain step's time (no request speculating), or a speculative
+        step's with the tokens fed beyond one per entry."""
+        if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
+            return
+        b = bucket(len(plan))
+        if not any(req.spec_k for req, _ in plan):
+            self.plain[b] = seconds if b not in self.plain else self.plain[b] + 0.1 * (seconds - self.plain[b])
+            self.since_plain[b] = 0
+            return
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1
+        self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+
+    def record_proposal(self, batch: int, cells, seconds: float) -> None:
+        """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
+        its longest draft (the head's cell step is the first)."""
+        longest = max((len(req.drafts) for req, _ in cells), default=0)
+        if longest:  # a proposal of head cells alone (a prompt chunk's) says little of a draft step's cost
+            self.record_drafts(batch, longest, seconds)
+
+    def measured(self, batch: int) -> bool:
+        """Whether `costs(batch)` comes from measurements (or `fixed`), not the priors."""
+        b, line = bucket(batch), self.steps.get(bucket(batch))
+        if self.fixed is not None:
+            return True
+        return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
+
+    def costs(self, batch: int) -> tuple[float, float]:
+        """(c, v) at this batch size: measured where the bucket has them, else the priors. The plain step's time
+        t0 is the measured plain step's when there is one (the speculative step's fixed overhead then counts in
+        the per-token cost m, averaged over the tokens fed), else the line's intercept."""
+        if self.fixed is not None:
+            return self.fixed
+        b = bucket(batch)
+        line = self.steps.get(b)
+        mean = line.mean() if line is not None else None
+        if mean is None or b not in self.draft:
+            return self.prior_c, self.prior_v * batch
+        x, y = mean
+        fit = line.fit()
+        if b in self.plain:
+            t0 = self.plain[b]
+            m = max(fit[1] if fit else 0.0, (y - t0) / x if x > 0 else 0.0)
+        elif fit is not None:
+            t0, m = fit
+        else:  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
+            t0 = y / (1.0 + self.prior_v * x)
+            return self.draft[b] / t0, self.prior_v * batch
+        return self.draft[b] / t0, batch * m / t0
+
+    # ---- the choice ----------------------------------------------------------------------------------------
+    def draft_count(self, req, cap: int) -> int:
+        """Drafts for `req`'s next step, at most `cap` (the speculator's limit); 0 sends it plain (`spec_k` 0)."""
+        if req in self.probing:
+            self.probing.discard(req)
+            self.probes += 1
+            return min(1, cap)
+        c, v = self.costs(self.batch)
+        k = min(cap, choose_k(self.rates.get(req, self.rate), c, v, self.k_max, self.min_gain))
+        self.last_k[req] = k
+        if k > 0:
+            self.backoff.pop(req, None)
+        elif cap > 0:
+            req.spec_k, req.drafts = 0, []
+            self.plain_steps[req] = 0
+            if req in self.backoff:  # a probe that did not bring it back: wait twice as long for the next one
+                self.backoff[req] = min(self.backoff[req] * 2, self.max_backoff)
+            else:
+                self.backoff[req] = 1
+        return k
+
+    def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
+        """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
+        `probe_every` steps, doubling after each probe that did not bring the request back, up to `max_backoff`
+        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1).
+        Queued requests not started yet start plain when the measured costs of the batch they will join say the
+        same (no head cells for their prompts)."""
+        self.batch = max(1, len(running))
+        if waiting:
+            joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
+            if self.measured(joined) and choose_k(1.0, *self.costs(joined), self.k_max, self.min_gain) == 0:
+                for parent in waiting:
+                    for req in parent.choices or [parent]:
+                        if req.spec_k and req.num_cached == 0 and req.params.num_speculative_tokens is None:
+                            req.spec_k, self.plain_steps[req], self.backoff[req] = 0, 0, 1
+        self._calibrate(running)
+        could_pay = None
+        for req in running:
+            n = self.plain_steps.get(req)
+            if n is None or req.finished:
+                continue
+            if n + 1 < self.probe_every * self.backoff.get(req, 1):
+                self.plain_steps[req] = n + 1
+                continue
+            if could_pay is None:
+                could_pay = choose_k(1.0, *self.costs(self.batch), self.k_max, self.min_gain) > 0
+            if not could_pay:
+                self.plain_steps[req] = 0
+                continue
+            del self.plain_steps[req]
+            self.probing.add(req)
+            req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+
+    def _calibrate(self, running) -> None:
+        """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
+        decode steps without a plain one, pause its speculating requests for one step (a plain step to measure
+        against: without it a speculative step's fixed overhead would pass for plain cost)."""
+        for req in list(self.paused):
+            self.paused.discard(req)
+            if not req.finished and req.spec_k == 0:
+                req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+        b = bucket(self.batch)
+        if self.fixed is not None or self.since_plain.get(b, 0) < self.calibrate_every:
+            return
+        self.since_plain[b] = 0
+        for req in running:
+            if (
+                req.spec_k
+                and not req.finished
+                and req.params.num_speculative_tokens is None
+                and req not in self.probing
+            ):
+                req.spec_k, req.drafts = 0, []
+                self.paused.add(req)
+
+
+def is_auto(k) -> bool:
+    """`num_speculative_tokens="auto"` (any case)."""
+    return isinstance(k, str) and k.strip().lower() == "auto"

@@ -1,0 +1,196 @@
+"""Adaptive speculative decoding (`num_speculative_tokens="auto"`, `serve.spec_auto`): the draft-length choice
+against its formula, the cost bookkeeping, and the engine's behaviour with drafts that pay and drafts that do not.
+
+Costs are injected (`AutoSpec(fixed=(c, v))`): no timing in these tests. Greedy runs are compared with the plain
+run as in test_speculative.py (a divergence only at a near tie, `compare_greedy`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from spec_helpers import KnownDrafts, compare_greedy, spec_model
+
+from flashnext.errors import ConfigError
+from flashnext.serve.engine import Engine
+from flashnext.serve.sampling import SamplingParams
+from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens
+
+
+# ---- the choice against its formula -----------------------------------------------------------------------------
+def _reference_k(a: float, c: float, v: float, k_max: int, min_gain: float) -> int:
+    """argmax over k of (1 - a^(k+1)) / (1 - a) / (1 + k (c + v)), the shortest among equals; 0 below min_gain."""
+
+    def gain(k):
+        e = k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        return e / (1.0 + k * (c + v))
+
+    gains = [gain(k) for k in range(k_max + 1)]
+    best = max(gains)
+    k = next(k for k, g in enumerate(gains) if g >= best - 1e-9)
+    return k if gains[k] >= min_gain else 0
+
+
+@pytest.mark.parametrize("min_gain", [1.0, 1.05])
+def test_choose_k_is_the_formulas_argmax(min_gain):
+    grid = itertools.product([0.0, 0.05, 0.2, 0.4, 0.55, 0.7, 0.85, 0.95, 1.0], [0.0, 0.02, 0.1, 0.3, 0.6, 1.2],
+                             [0.0, 0.01, 0.1, 0.5], [0, 1, 3, 4, 8])  # fmt: skip
+    for a, c, v, k_max in grid:
+        assert choose_k(a, c, v, k_max, min_gain) == _reference_k(a, c, v, k_max, min_gain), (a, c, v, k_max)
+
+
+def test_choose_k_reads_as_expected():
+    """Worked cases: a free draft with certain acceptance takes the longest; a draft as dear as a step never pays
+    below certain acceptance; no acceptance, no draft; a big batch's verify cost turns drafting off."""
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert choose_k(1.0, 0.0, 0.0, 4) == 4
+    assert choose_k(0.9, 1.0, 0.0, 4) == 0  # gain(1) = 1.9 / 2 < 1
+    assert choose_k(0.0, 0.01, 0.0, 4) == 0
+    assert choose_k(0.7, 0.05, 0.0, 4) >= 3
+    assert choose_k(0.7, 0.05, 16 * 0.05, 4) == 0  # (1 + 0.7) / (1 + 0.85) < 1
+
+
+def test_costs_from_step_times():
+    """Steps t = t0 + m x (x extra tokens) and draft steps of t_d give c = t_d / t0, v = B m / t0; an unmeasured
+    bucket falls back to the priors; acceptance is an exponential average seeded from the engine's rate."""
+    auto = AutoSpec(prior_c=0.3, prior_v=0.02)
+    assert auto.costs(4) == (0.3, 0.08)
+    for x in (0, 4, 8, 0, 12):
+        auto.record_step(4, x, 0.010 + 0.0005 * x)
+    auto.record_drafts(4, 2, 0.004)
+    c, v = auto.costs(3)  # bucket 4
+    assert bucket(3) == bucket(4) == 4 and bucket(5) == 8 and bucket(1) == 1
+    assert c == pytest.approx(0.2, rel=1e-6) and v == pytest.approx(3 * 0.0005 / 0.010, rel=1e-6)
+    auto.plain[4] = 0.008  # a measured plain step: the speculative steps' overhead (0.002) joins the token cost
+    c, v = auto.costs(4)
+    x, y = auto.steps[4].mean()  # (decayed means)
+    assert c == pytest.approx(0.25) and v == pytest.approx(4 * (y - 0.008) / x / 0.008)
+    assert (y - 0.008) / x > 0.0005  # the average cost per token, overhead included, above the line's slope
+    req = object.__new__(type("R", (), {}))
+    auto.rate = 0.5
+    auto.observe(req, 3, 1)  # one success, one failure
+    r = 0.5 + 0.15 * (1 - 0.5)
+    assert auto.rates[req] == pytest.approx(r + 0.15 * (0 - r))
+
+
+def test_auto_needs_no_head_and_refuses_other_strings(small_config):
+    from serve_helpers import small_model
+
+    assert Engine(small_model(small_config), None, max_slots=1, max_model_len=16,
+                  num_speculative_tokens="auto").spec_auto is None  # fmt: skip
+    want = r"num_speculative_tokens must be an integer in \[0, 16\], got 'fast' \(or \"auto\"\)"
+    with pytest.raises(ConfigError, match=want):
+        Engine(small_model(small_config), None, max_slots=1, max_model_len=16, num_speculative_tokens="fast")
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------------
+LENS = [3, 17, 9, 30]
+PROMPTS = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(500 + n)).tolist() for n in LENS]
+PARAMS = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model(small_config_module):
+    return spec_model(small_config_module)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    engine = Engine(model, None, max_slots=4, max_model_len=160, max_num_batched_tokens=64)
+    return [c for r in [engine.add_request(p, PARAMS) for p in PROMPTS] for c in r.choices], engine
+
+
+def _run(engine):
+    reqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def _auto_engine(model, fixed=(0.1, 0.02)):
+    engine = Engine(model, None, max_slots=4, max_model_len=160, max_num_batched_tokens=64,
+                    num_speculative_tokens="auto")  # fmt: skip
+    engine.spec_auto.fixed = fixed
+    return engine
+
+
+def _plain_run(plain):
+    reqs, engine = plain
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def test_auto_keeps_drafting_when_drafts_are_right(model, plain):
+    """Drafts of the plain continuation, 10% made wrong: every request keeps k > 0 to its end, most tokens come
+    from accepted drafts, and the tokens are the plain run's."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.1)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    auto, s = engine.spec_auto, engine.stats
+    assert all(auto.last_k[r] > 0 for r in got), [auto.last_k[r] for r in got]
+    assert s.spec_accepted > 0.5 * sum(len(r.output_ids) for r in got) and s.acceptance_rate > 0.7
+
+
+def test_auto_steps_aside_when_drafts_fail(model, plain):
+    """The random head's drafts are almost all rejected: each request's k falls to 0 (its steps go plain, with a
+    one-draft probe every `probe_every` steps), far fewer drafts than fixed k would make, and the same tokens."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    auto, s = engine.spec_auto, engine.stats
+    assert all(auto.last_k[r] == 0 for r in got), [auto.last_k[r] for r in got]
+    assert s.acceptance_rate < 0.2
+    tokens = sum(len(r.output_ids) for r in got)
+    assert s.spec_drafted < 0.25 * tokens  # fixed k = 4 would draft ~4 per token
+    assert auto.probes >= len(got)  # the probes kept coming
+    assert all(auto.backoff[r] > 1 for r in got)  # each failed probe doubled the wait
+
+
+def test_auto_turns_off_when_verification_costs(model, plain):
+    """Right drafts but a verify cost that eats their gain (v = 2): no request ever drafts, not even a probe
+    (drafts certain to be accepted would not pay either), and no step takes the speculative path (the requests
+    start plain: no head cells for their prompts)."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model, fixed=(0.1, 2.0))
+    forward, spec_steps = engine.speculator.forward, []
+    engine.speculator.forward = lambda *a, **k: spec_steps.append(1) or forward(*a, **k)
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert all(engine.spec_auto.last_k.get(r, 0) == 0 for r in got)  # (never asked: they started plain)
+    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []
+
+
+class _Req:
+    """A stand-in request: what `AutoSpec.before_step` reads and writes."""
+
+    def __init__(self, num_cached: int):
+        self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
+        self.mtp_cells, self.resume_residual, self.prompt_ids = num_cached, None, [1]
+        self.params = SamplingParams()
+
+
+def test_calibration_pauses_speculation_for_one_plain_step():
+    """After `calibrate_every` speculative decode steps of a bucket with no plain one, its speculating requests
+    go plain for one step (their drafts dropped) and come back the step after, their head restarting at the
+    current position; a fixed-k request is left alone."""
+    auto = AutoSpec(calibrate_every=3)
+    reqs, fixed = [_Req(10), _Req(20)], _Req(5)
+    fixed.params = SamplingParams(num_speculative_tokens=2)
+    plan = [(r, 1) for r in [*reqs, fixed]]
+    for _ in range(2):
+        auto.record_plan(plan, 0.01)
+        auto.before_step([*reqs, fixed])
+        assert all(r.spec_k == 4 for r in reqs)
+    auto.record_plan(plan, 0.01)  # the third speculative step since a plain one
+    auto.before_step([*reqs, fixed])
+    assert [r.spec_k for r in reqs] == [0, 0] and all(r.drafts == [] for r in reqs) and fixed.spec_k == 4
+    reqs[0].num_cached = 11
+    auto.before_step([*reqs, fixed])
+    assert [r.spec_k for r in reqs] == [4, 4] and reqs[0].mtp_cells == 11
