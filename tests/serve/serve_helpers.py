@@ -11,10 +11,32 @@ import time
 import torch
 import uvicorn
 
-from flashnext.config import parse_config
+from flashnext.config import parse_config, tiny_config
 from flashnext.model.state import make_step
 from flashnext.model.text import FlashNextForCausalLM
 from flashnext.serve import prepare_for_inference
+
+VS, VE, IMG = 512, 513, 514  # outside the bundled tokenizer's 512 ids, so text never encodes to them
+TINY_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+)  # fmt: skip
+
+
+def tiny_composite():
+    """The tiny default text config (QSA with 8 indexer heads) + a 1-block vision tower, every weight perturbed."""
+    from flashnext.model.multimodal import FlashNextForConditionalGeneration
+
+    text = {**tiny_config().to_dict(), "vocab_size": 516}
+    cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=dict(TINY_VISION),
+                            image_token_id=IMG, vision_start_token_id=VS, vision_end_token_id=VE))  # fmt: skip
+    m = FlashNextForConditionalGeneration(cfg).eval()
+    m.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return m
 
 
 def small_model(cfg_dict: dict, seed: int = 0) -> FlashNextForCausalLM:

@@ -11,50 +11,26 @@ import json
 import openai
 import pytest
 import torch
-from serve_helpers import running_server
+from serve_helpers import IMG, TINY_VISION, VE, VS, running_server, tiny_composite
 
 from flashnext.batch import make_segments
-from flashnext.config import parse_config, tiny_config
 from flashnext.errors import InputError
-from flashnext.model.multimodal import FlashNextForConditionalGeneration, get_rope_index
+from flashnext.model.multimodal import get_rope_index
 from flashnext.serve.engine import Engine
 from flashnext.serve.loading import load_for_serving
 from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.server import build_app
 from flashnext.tokenizer import load_tokenizer
 
-VS, VE, IMG = 512, 513, 514  # outside the bundled tokenizer's 512 ids, so text never encodes to them
-VISION = dict(
-    depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
-    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
-)  # fmt: skip
+VISION = TINY_VISION
 P = 3 * 2 * 4 * 4
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model():
-    """The tiny default text config (QSA with 8 indexer heads) + a 1-block vision tower, every weight perturbed."""
     torch.set_num_threads(1)
-    text = tiny_config().to_dict()
-    text["vocab_size"] = 516
-    cfg = parse_config(
-        dict(
-            model_type="qwen4_exp",
-            text_config=text,
-            vision_config=dict(VISION),
-            image_token_id=IMG,
-            vision_start_token_id=VS,
-            vision_end_token_id=VE,
-        )  # fmt: skip
-    )
-    m = FlashNextForConditionalGeneration(cfg).eval()
-    m.init_weights(seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    return m
+    return tiny_composite()
 
 
 def _span(n: int) -> list[int]:

@@ -14,7 +14,7 @@ import logging
 import httpx
 import pytest
 import torch
-from serve_helpers import running_server, small_model
+from serve_helpers import running_server, small_model, tiny_composite
 from spec_helpers import spec_model
 
 from flashnext.cli import _serve_app, build_parser
@@ -255,29 +255,10 @@ def test_visible_over_http_metrics_and_logs(caplog):
     assert prefix_cache_line(engine.prefix_cache).startswith("prefix cache: 128/300 prompt tokens reused (42.7%)")
 
 
-def composite_model():
-    """The tiny text config with a 1-block vision tower (as `test_image_serving.py`), every weight perturbed."""
-    from flashnext.config import parse_config, tiny_config
-    from flashnext.model.multimodal import FlashNextForConditionalGeneration
-
-    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)  # fmt: skip
-    text = {**tiny_config().to_dict(), "vocab_size": 516}
-    cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=vision, image_token_id=514,
-                            vision_start_token_id=512, vision_end_token_id=513))  # fmt: skip
-    m = FlashNextForConditionalGeneration(cfg).eval()
-    m.init_weights(seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    return m
-
-
 def test_image_tokens_hash_by_image_content():
     """The same ids with other pixels share only the blocks before the image (the second request snapshots at that
     junction); the same pixels again hit through the image. Every output is the cache-off engine's."""
-    model = composite_model()
+    model = tiny_composite()
     grid = torch.tensor([[1, 4, 6]])  # 6 merged tokens
     pixels = [torch.randn(24, 96, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
     prompt = ids(8, 70) + [512, *[514] * 6, 513] + ids(9, 60)  # the image at 70..77, in block 1
