@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     else:
         model, summary = train(args.train_steps, args.threads, args.deep)
         if args.save:
-            model.save_pretrained(args.save)
+            flashnext.save_pretrained(model, args.save)
             tok.save(args.save)
     print(summary, flush=True)
     results = {}

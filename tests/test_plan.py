@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashnext import save_pretrained
 from flashnext.build import build_model
 from flashnext.cli import main
 from flashnext.config import parse_config, tiny_config_dict
@@ -170,7 +171,7 @@ def test_plan_reads_the_table_dtype_from_safetensors_headers(tmp_path):
     from flashnext.plan import stored_as
 
     model = build_model(parse_config(tiny_config_dict()), seed=0, dtype=torch.bfloat16)
-    model.save_pretrained(tmp_path / "bf16")
+    save_pretrained(model, tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", ngram="fp8")
     raw = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert stored_as(tmp_path / "bf16", raw).table_dtype == "bf16"

@@ -2,7 +2,7 @@
 
 from flashnext.config import ModelConfig, TextConfig, load_config
 
-__all__ = ["ModelConfig", "TextConfig", "build_model", "from_pretrained", "load_config"]
+__all__ = ["ModelConfig", "TextConfig", "build_model", "from_pretrained", "load_config", "save_pretrained"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from flashnext import build
 
         return getattr(build, name)
+    if name == "save_pretrained":
+        from flashnext.checkpoint import save_pretrained
+
+        return save_pretrained
     raise AttributeError(f"module 'flashnext' has no attribute {name!r}")

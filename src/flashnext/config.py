@@ -52,6 +52,22 @@ from flashnext.errors import ConfigError
 FULL_ATTENTION = "full_attention"  # the official spelling of an indexed (QSA) layer in `layer_types`
 
 
+class _Entry:
+    """A read-only attribute read from one of the config's dict fields (`rope_parameters`, a composite's `top`):
+    `kind(<that dict>.get(<the attribute's name>, default))`, the reference's default where the key is absent."""
+
+    def __init__(self, table: str, kind: type, default: Any):
+        self.table, self.kind, self.default = table, kind, default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return self.kind(getattr(obj, self.table).get(self.key, self.default))
+
+
 @dataclass
 class TextConfig:
     """Decoder geometry of Qwen3.8-Flash-Next (`model_type` `qwen4_exp_text`); each field with its rule."""
@@ -137,21 +153,13 @@ class TextConfig:
         self.validate()
 
     # ---- derived quantities -------------------------------------------------------------------------
-    @property
-    def rope_theta(self) -> float:
-        return float(self.rope_parameters.get("rope_theta", 10000.0))
-
-    @property
-    def partial_rotary_factor(self) -> float:
-        return float(self.rope_parameters.get("partial_rotary_factor", 1.0))
+    rope_theta = _Entry("rope_parameters", float, 10000.0)
+    partial_rotary_factor = _Entry("rope_parameters", float, 1.0)
+    mrope_section = _Entry("rope_parameters", list, (11, 11, 10))
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def mrope_section(self) -> list[int]:
-        return list(self.rope_parameters.get("mrope_section", [11, 11, 10]))
 
     @property
     def gate_act(self) -> str:
@@ -339,17 +347,9 @@ class ModelConfig:
             return None
         return VisionConfig.from_dict(self.vision)
 
-    @property
-    def image_token_id(self) -> int:
-        return int(self.top.get("image_token_id", 248056))
-
-    @property
-    def vision_start_token_id(self) -> int:
-        return int(self.top.get("vision_start_token_id", 248053))
-
-    @property
-    def vision_end_token_id(self) -> int:
-        return int(self.top.get("vision_end_token_id", 248054))
+    image_token_id = _Entry("top", int, 248056)
+    vision_start_token_id = _Entry("top", int, 248053)
+    vision_end_token_id = _Entry("top", int, 248054)
 
     def to_dict(self) -> dict[str, Any]:
         if not self.composite:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import Qwen4ExpForConditionalGeneration
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint import layout, load_checkpoint
 from flashnext.config import load_config
 from flashnext.model.multimodal import FlashNextForConditionalGeneration
@@ -53,7 +54,7 @@ def test_composite_with_vision_and_mtp(tmp_path):
     extra = {k: v for k, v in on_disk.items() if k.startswith("mtp.")}
     assert_same_tensors(model.extra_tensors, extra)  # stored dtype kept (bf16 mtp stays bf16)
 
-    model.save_pretrained(tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours")
     assert headers(tmp_path / "ours") == headers(tmp_path / "ref")
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["model_type"] == "qwen4_exp" and cfg["vision_config"]["depth"] == 1
@@ -79,7 +80,7 @@ def test_language_model_only_composite(tmp_path):
     assert model.extra_tensors == {}
     assert_same_tensors(ours_with_buffers(model), text_part(ref.state_dict()))
 
-    model.save_pretrained(tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours")
     assert headers(tmp_path / "ours") == headers(tmp_path / "ref")
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["language_model_only"] is True
     again = flashnext.from_pretrained(tmp_path / "ours")
@@ -99,5 +100,5 @@ def test_text_model_reads_composite_keeping_visual_aside(tmp_path):
     assert_same_tensors(ours_with_buffers(model), text_part(ref.state_dict()))
     visual = {k: v for k, v in on_disk.items() if k.startswith("model.visual.")}
     assert visual and set(model.extra_tensors) == set(visual)
-    model.save_pretrained(tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours")
     assert headers(tmp_path / "ours") == headers(tmp_path / "ref")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from ckpt_helpers import tiny_text
 
+from flashnext import save_pretrained
 from flashnext.config import ModelConfig, TextConfig
 from flashnext.model.text import FlashNextForCausalLM
 
@@ -56,7 +57,7 @@ def write_big_checkpoint(directory: Path) -> dict[str, float]:
         p.copy_(torch.arange(p.numel(), dtype=torch.float32).view(p.shape) % 997)
         if name.endswith("ngram_embedding.weight"):
             sums[name] = float(p.double().sum())
-    model.save_pretrained(directory, config=ModelConfig(text=cfg))
+    save_pretrained(model, directory, config=ModelConfig(text=cfg))
     return sums
 
 

@@ -11,6 +11,7 @@ import torch
 from ckpt_helpers import headers, randomize, rewrite, tiny_text
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.config import ModelConfig, parse_config
 from flashnext.errors import CheckpointError
 from flashnext.model.text import FlashNextForCausalLM
@@ -22,7 +23,7 @@ def _model(**over) -> FlashNextForCausalLM:
 
 def test_round_trip_is_exact_with_official_keys(tmp_path):
     model = _model()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     keys = {k for k in headers(tmp_path) if k.startswith("mtp.")}
     assert "mtp.layers.0.mlp.experts.3.down_proj.weight" in keys  # per-expert on disk, as the trunk's
     assert "mtp.pre_fc_norm_hidden.weight" in keys and "mtp.fc_embedding.weight" in keys
@@ -40,7 +41,7 @@ def test_transformers_loads_our_checkpoint_with_mtp(tmp_path):
     from transformers import Qwen4ExpForCausalLM
 
     model = _model()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     ref = Qwen4ExpForCausalLM.from_pretrained(tmp_path).eval()
     ref_sd, ours = ref.state_dict(), model.state_dict()
     assert not any(k.startswith("mtp.") for k in ref_sd)
@@ -61,7 +62,7 @@ def test_composite_text_only_checkpoint_keeps_mtp_at_top_level(tmp_path):
 def test_config_with_mtp_but_no_weights_loads_without_the_head(tmp_path, caplog):
     """What converters that drop `mtp.*` (and keep the config) write: the trunk loads, without a draft head."""
     model = _model()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     rewrite(tmp_path / "model.safetensors", lambda t: [t.pop(k) for k in list(t) if k.startswith("mtp.")])
     with caplog.at_level(logging.WARNING, logger="flashnext"):
         loaded = flashnext.from_pretrained(tmp_path)
@@ -71,7 +72,7 @@ def test_config_with_mtp_but_no_weights_loads_without_the_head(tmp_path, caplog)
 
 def test_some_mtp_weights_missing_is_refused(tmp_path):
     model = _model()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     rewrite(tmp_path / "model.safetensors", lambda t: t.pop("mtp.fc_hidden.weight"))
     with pytest.raises(CheckpointError) as err:
         flashnext.from_pretrained(tmp_path)
@@ -81,13 +82,13 @@ def test_some_mtp_weights_missing_is_refused(tmp_path):
 def test_mtp_tensors_without_config_stay_extra(tmp_path):
     """A config without MTP keeps the checkpoint's `mtp.*` as opaque extra tensors, written back as they were."""
     model = _model()
-    model.save_pretrained(tmp_path / "a")
+    save_pretrained(model, tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     del cfg["mtp_num_hidden_layers"]
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
     plain = flashnext.from_pretrained(tmp_path / "a")
     assert plain.mtp is None and "mtp.fc_hidden.weight" in plain.extra_tensors
-    plain.save_pretrained(tmp_path / "b")
+    save_pretrained(plain, tmp_path / "b")
     assert headers(tmp_path / "a") == headers(tmp_path / "b")
 
 
@@ -95,7 +96,7 @@ def test_mixer_inject_dropped_and_own_head_used(tmp_path):
     """`mtp.hyper_connection_mixer.block_inject_weight` (the head's mixer injects nothing) is kept aside, unused;
     `mtp.shared_head.head.weight`, when present, is the draft head's LM head instead of the shared `lm_head`."""
     model = _model()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     own = torch.randn(128, 32, generator=torch.Generator().manual_seed(9))
 
     def add(t):
@@ -124,7 +125,7 @@ def test_composite_with_vision_loads_its_mtp_head(tmp_path):
 
     raw = dict(model_type="qwen4_exp", text_config=tiny_text(mtp_num_hidden_layers=1), vision_config=TINY_VISION)
     model = randomize(FlashNextForConditionalGeneration(parse_config(raw)), 4).eval()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     assert "mtp.fc_hidden.weight" in headers(tmp_path) and "model.visual.pos_embed.weight" in headers(tmp_path)
     loaded = flashnext.from_pretrained(tmp_path)
     assert isinstance(loaded, FlashNextForConditionalGeneration) and loaded.mtp is not None

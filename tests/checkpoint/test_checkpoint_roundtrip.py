@@ -8,6 +8,7 @@ from ckpt_helpers import assert_same_tensors, build_text_reference, headers
 from transformers import Qwen4ExpForCausalLM
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint import layout
 from flashnext.errors import CheckpointError
 
@@ -40,7 +41,7 @@ def test_reference_save_then_our_load_then_reference_load(tmp_path, case):
     assert_same_tensors(ours_with_buffers(model), ref.state_dict())
     assert model.extra_tensors == {}
 
-    model.save_pretrained(tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours")
     assert headers(tmp_path / "ours") == headers(tmp_path / "ref")  # same keys, shapes and dtypes on disk
     back, info = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
@@ -70,9 +71,9 @@ def test_sharded_both_ways(tmp_path):
     # whole: no stale shard or index stays beside the new single file.
     (tmp_path / "ours" / "notes.txt").write_text("kept by hand")
     with pytest.raises(CheckpointError, match=r"ours' is not empty.*--overwrite"):
-        model.save_pretrained(tmp_path / "ours")
+        save_pretrained(model, tmp_path / "ours")
     assert len(sorted((tmp_path / "ours").glob("model-*-of-*.safetensors"))) == len(files)  # untouched
-    model.save_pretrained(tmp_path / "ours", overwrite=True)
+    save_pretrained(model, tmp_path / "ours", overwrite=True)
     assert sorted(f.name for f in (tmp_path / "ours").iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".ours.*"))  # no staging or old directory left beside it
     assert not (tmp_path / "ours" / "model.safetensors.index.json").exists()
@@ -86,7 +87,7 @@ def test_load_casts_to_requested_dtype(tmp_path):
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in ref.state_dict().items()}
     assert_same_tensors(ours_with_buffers(model), want)
 
-    model.save_pretrained(tmp_path / "ours")
+    save_pretrained(model, tmp_path / "ours")
     assert {dt for _, dt in headers(tmp_path / "ours").values()} == {"BF16", "I64"}
     back = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "ours")
     assert back.dtype == torch.bfloat16

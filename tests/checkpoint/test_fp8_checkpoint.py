@@ -14,6 +14,7 @@ from ckpt_helpers import rewrite
 from safetensors import safe_open
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize_weights import quantize_weights
 from flashnext.cli import main as cli_main
 from flashnext.config import parse_config
@@ -42,7 +43,7 @@ def checkpoints(tmp_path_factory, small_config_module):
     cfg = parse_config(dict(small_config_module, hidden_size=256, moe_intermediate_size=128, split_ngram_parts=3))
     model = FlashNextForCausalLM(cfg.text).eval()
     model.init_weights(0)
-    model.to(torch.bfloat16).save_pretrained(root / "bf16", max_shard_bytes=300_000)
+    save_pretrained(model.to(torch.bfloat16), root / "bf16", max_shard_bytes=300_000)
     (root / "bf16" / "tokenizer_config.json").write_text("{}\n")
     quantize_weights(root / "bf16", root / "fp8")
     return root / "bf16", root / "fp8"
@@ -107,7 +108,7 @@ def test_fp8_checkpoint_keeps_experts_in_fp8_and_matches_the_dequantised_model(c
 
 def test_save_writes_the_fp8_checkpoint_back_byte_for_byte(checkpoints, tmp_path):
     model = flashnext.from_pretrained(checkpoints[1], dtype=torch.bfloat16)
-    model.save_pretrained(tmp_path / "again")
+    save_pretrained(model, tmp_path / "again")
     before, after = _tensors(checkpoints[1]), _tensors(tmp_path / "again")
     assert before.keys() == after.keys()
     bad = [k for k in before if before[k].dtype != after[k].dtype

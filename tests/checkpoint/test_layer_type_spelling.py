@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flashnext import from_pretrained
+from flashnext import from_pretrained, save_pretrained
 from flashnext.build import build_model
 from flashnext.checkpoint import training
 from flashnext.cli import main
@@ -33,9 +33,9 @@ def test_save_writes_the_spelling_it_loaded(tmp_path, spelling):
     cfg = parse_config(_config(spelling))
     assert cfg.text.layer_types[-1] == INDEXED  # the model reads one spelling either way
     assert cfg.to_dict()["layer_types"] == _config(spelling)["layer_types"]
-    build_model(cfg, seed=0).save_pretrained(tmp_path / "a")
+    save_pretrained(build_model(cfg, seed=0), tmp_path / "a")
     assert _written(tmp_path / "a") == _config(spelling)["layer_types"]
-    from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b")  # loaded, then saved again
+    save_pretrained(from_pretrained(tmp_path / "a"), tmp_path / "b")  # loaded, then saved again
     assert _written(tmp_path / "b") == _config(spelling)["layer_types"]
 
 

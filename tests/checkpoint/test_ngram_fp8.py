@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.layout import ngram_shard_rows
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError
@@ -71,7 +72,7 @@ def _packed_logits(model, vocab: int, seed: int = 3) -> torch.Tensor:
 def fp8_checkpoint(tmp_path, small_config):
     """(directory, fp32 model it came from, q, scale) of an FP8-table checkpoint with an F32 scale."""
     model = _model(small_config)
-    model.save_pretrained(tmp_path / "fp8")
+    save_pretrained(model, tmp_path / "fp8")
     q, scale = _quantize(_table(model).weight.detach(), torch.float32)
     _write_fp8(tmp_path / "fp8", q, scale)
     return tmp_path / "fp8", model, q, scale
@@ -80,7 +81,7 @@ def fp8_checkpoint(tmp_path, small_config):
 @pytest.mark.parametrize("scale_name", list(SCALE_DTYPES))
 def test_fp8_table_logits_equal_the_dequantised_fp32_table(tmp_path, small_config, scale_name):
     model = _model(small_config)
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     q, scale = _quantize(_table(model).weight.detach(), SCALE_DTYPES[scale_name])
     _write_fp8(tmp_path / "ckpt", q, scale)
 
@@ -101,7 +102,7 @@ def test_fp8_table_logits_equal_the_dequantised_fp32_table(tmp_path, small_confi
 def test_fp8_round_trip_is_byte_identical_and_survives_dtype_casts(tmp_path, fp8_checkpoint):
     src, _, q, scale = fp8_checkpoint
     loaded = flashnext.from_pretrained(src)
-    loaded.save_pretrained(tmp_path / "again")
+    save_pretrained(loaded, tmp_path / "again")
     # The whole file comes back byte for byte: FP8 shards, the scale in its dtype, every other tensor.
     assert (src / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
     assert headers(tmp_path / "again")[f"{TABLE}.shard_0.weight"][1] == "F8_E4M3"
@@ -132,7 +133,7 @@ def test_storage_modes_look_up_the_same_bits(tmp_path, fp8_checkpoint, dtype):
 
 def test_stored_mode_keeps_a_bf16_table_in_bf16(tmp_path, small_config):
     model = _model(small_config).to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "bf16")
+    save_pretrained(model, tmp_path / "bf16")
     table = _table(flashnext.from_pretrained(tmp_path / "bf16", dtype=torch.float32, ngram_storage="stored"))
     assert isinstance(table, StoredNGramTable) and table.weight.dtype == torch.bfloat16 and table.weight_scale is None
     ids = torch.arange(table.num_embeddings)
@@ -221,7 +222,7 @@ def test_nf4_storage_quantises_the_stored_rows_at_load(tmp_path, small_config, f
     stored = q.float() * scale.float()  # the values an FP8 table holds
     if kind == "bf16":
         src = tmp_path / "bf16"
-        model.to(torch.bfloat16).save_pretrained(src)
+        save_pretrained(model.to(torch.bfloat16), src)
         stored = _table(model).weight.detach().float()
         model.float()
     nf4 = flashnext.from_pretrained(src, ngram_storage="nf4")
@@ -238,4 +239,4 @@ def test_nf4_storage_quantises_the_stored_rows_at_load(tmp_path, small_config, f
     # Two model instances: equal up to fp32 rounding of different kernel blockings, not bitwise.
     assert (ours - ref).abs().max() <= 1e-6 * ref.abs().max() and not torch.allclose(ours, unquantised)
     with pytest.raises(CheckpointError, match="an NF4 table is a lossy in-memory copy"):
-        nf4.save_pretrained(tmp_path / "out")
+        save_pretrained(nf4, tmp_path / "out")

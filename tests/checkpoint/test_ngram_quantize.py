@@ -14,6 +14,7 @@ from safetensors import safe_open
 from test_ngram_fp8 import TABLE, _model, _packed_logits, _table
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.files import INDEX_FILE
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.cli import main as cli_main
@@ -34,7 +35,7 @@ def _all_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def bf16_checkpoint(tmp_path, small_config):
     """A sharded BF16 checkpoint (index + several files) with a tokenizer-like extra file."""
     model = _model(small_config).to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "bf16", max_shard_bytes=20_000)
+    save_pretrained(model, tmp_path / "bf16", max_shard_bytes=20_000)
     (tmp_path / "bf16" / "tokenizer_config.json").write_text('{"eos_token": "x"}\n')
     return tmp_path / "bf16"
 
@@ -105,10 +106,10 @@ def test_quantize_into_a_directory_holding_another_checkpoint(tmp_path, small_co
     (OUT untouched); with it OUT holds exactly the new files and the loader loads the new model (before: the old
     index stayed beside the new file and the loader read the old model through it)."""
     src = tmp_path / "src"
-    _model(small_config, seed=0).to(torch.bfloat16).save_pretrained(src)
+    save_pretrained(_model(small_config, seed=0).to(torch.bfloat16), src)
     out = tmp_path / "out"
     old = _model(small_config, seed=7).to(torch.bfloat16)
-    old.save_pretrained(out, max_shard_bytes=sum(t.nbytes for t in old.state_dict().values()) // 2)
+    save_pretrained(old, out, max_shard_bytes=sum(t.nbytes for t in old.state_dict().values()) // 2)
     old_files = sorted(f.name for f in out.iterdir())
     assert INDEX_FILE in old_files and len(list(out.glob("model-*-of-*.safetensors"))) >= 2
 

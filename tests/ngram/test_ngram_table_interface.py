@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError, ConfigError
@@ -28,7 +29,7 @@ def _table(model) -> torch.nn.Module:
 def fp8_checkpoint(tmp_path, small_config):
     model = FlashNextForCausalLM(parse_config(dict(small_config, split_ngram_parts=3)).text).eval()
     model.init_weights(0)
-    model.save_pretrained(tmp_path / "fp32")
+    save_pretrained(model, tmp_path / "fp32")
     quantize_checkpoint(tmp_path / "fp32", tmp_path / "fp8")
     return tmp_path / "fp8"
 

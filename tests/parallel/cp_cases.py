@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from flashnext import save_pretrained
 from flashnext.batch import PackedBatch, make_segments
 from flashnext.config import TextConfig, parse_config
 from flashnext.model.text import FlashNextForCausalLM
@@ -312,7 +313,7 @@ def write_rl_data(path: str, n: int = 24) -> str:
 def write_checkpoint(path: str) -> str:
     """`build()` saved in the official layout: the trainers start from it (moderate GDN decays, see `build`; from
     the init's, Muon turns rounding-level decay gradients into full-size updates of `in_proj_a`)."""
-    build().save_pretrained(path)
+    save_pretrained(build(), path)
     return path
 
 

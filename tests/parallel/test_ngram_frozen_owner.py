@@ -19,6 +19,7 @@ from dist_helpers import run_spawned
 from torch.distributed.tensor import DTensor
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.model.text import FlashNextForCausalLM
 from flashnext.ngram.stored import StoredNGramTable
@@ -100,7 +101,7 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("frozen_fp8")
     model = FlashNextForCausalLM(pc.small_model_config())
     model.init_weights(pc.SEED)
-    model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    save_pretrained(model.to(torch.bfloat16), root / "bf16")
     quantize_checkpoint(root / "bf16", root / "fp8")
     return root
 

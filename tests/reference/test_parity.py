@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashnext
+from flashnext import save_pretrained
 
 CASES = {
     "default": {},
@@ -101,7 +102,7 @@ def test_roundtrip_through_transformers(pair, tmp_path, rel_error):
     from transformers import Qwen4ExpForCausalLM
 
     _, ours, cfg = pair
-    ours.save_pretrained(tmp_path / "ours")
+    save_pretrained(ours, tmp_path / "ours")
     back = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
     ids, mask, _ = _batch(cfg["vocab_size"], _eos(cfg), seed=5)
     with torch.no_grad():

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint import load_checkpoint
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError, InputError
@@ -230,7 +231,7 @@ def test_placeholder_count_mismatch_names_both_counts(pair):
 def test_roundtrip_through_transformers(pair, tmp_path, rel_error):
     """ours -> save_pretrained -> transformers loads every key -> same logits; the visual tensors are unchanged."""
     ref, ours, path = pair
-    ours.save_pretrained(tmp_path / "ours")
+    save_pretrained(ours, tmp_path / "ours")
     back, info = Qwen4ExpForConditionalGeneration.from_pretrained(
         tmp_path / "ours", attn_implementation="eager", output_loading_info=True
     )

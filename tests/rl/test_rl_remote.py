@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
 from serve_helpers import running_server  # noqa: E402
 
+from flashnext import save_pretrained
 from flashnext.rl.config import load_rl_config  # noqa: E402
 from flashnext.rl.inference import post_json  # noqa: E402
 from flashnext.rl.loop import RLTrainer  # noqa: E402
@@ -40,7 +41,7 @@ def _checkpoint(path: Path) -> Path:
     from flashnext.config import parse_config, tiny_config
 
     cfg = parse_config({**tiny_config().to_dict(), **SMALL}).text
-    build_model(cfg, seed=0).save_pretrained(path)
+    save_pretrained(build_model(cfg, seed=0), path)
     load_tokenizer().save(path)
     return path
 

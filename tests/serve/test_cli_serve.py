@@ -14,6 +14,7 @@ import pytest
 import torch
 from serve_helpers import running_server
 
+from flashnext import save_pretrained
 from flashnext.cli import _serve_app, build_parser
 from flashnext.cli import main as cli_main
 from flashnext.serve.loading import load_for_serving
@@ -71,7 +72,7 @@ def test_generate_chat_stops_at_end_of_turn(tmp_path, capsys):
     greedy = Engine(model, tok, max_slots=1, max_model_len=64).generate([prompt], SamplingParams(temperature=0))
     with torch.no_grad():
         model.lm_head.weight[4] = model.lm_head.weight[greedy[0].token_ids[2]] * 1.5
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     tok.save(tmp_path / "ckpt")
     common = ["--model", str(tmp_path / "ckpt"), "--max-tokens", "8", "--threads", "1"]
     assert cli_main(["generate", "--chat", "--prompt", "Hello", *common]) == 0
@@ -178,8 +179,8 @@ def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monk
     torch.set_num_threads(1)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # --decode-graph on sets it
     model, tok, _ = load_for_serving(None)
-    model.save_pretrained(tmp_path / "fp32")
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    save_pretrained(model, tmp_path / "fp32")
+    save_pretrained(model.to(torch.bfloat16), tmp_path / "bf16")
     for name, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         args = build_parser().parse_args(["serve", "--model", str(tmp_path / name), "--max-slots", "4"])
         _, _, engine = _serve_app(args)
@@ -199,8 +200,8 @@ def test_speculative_tokens_need_an_mtp_head(tmp_path, capsys, command):
     from flashnext.config import parse_config, tiny_config_dict
 
     raw = {k: v for k, v in tiny_config_dict().items() if k != "mtp_num_hidden_layers"}
-    build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-                              "ple_layer_ids": [1]}).text, seed=0).save_pretrained(tmp_path / "m")  # fmt: skip
+    save_pretrained(build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+                                              "ple_layer_ids": [1]}).text, seed=0), tmp_path / "m")  # fmt: skip
     extra = ["--port", "0"] if command == "serve" else []
     assert cli_main([command, "--model", str(tmp_path / "m"), "--speculative-tokens", "3", *extra]) == 1
     err = capsys.readouterr().err
@@ -270,7 +271,7 @@ def test_speculative_auto_is_the_default_with_an_mtp_head(tmp_path):
     fixed = engine("--speculative-tokens", "2")
     assert fixed.spec_auto is None and fixed.num_speculative_tokens == 2
     raw = {k: v for k, v in tiny_config_dict().items() if k != "mtp_num_hidden_layers"}
-    build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-                              "ple_layer_ids": [1]}).text, seed=0).save_pretrained(tmp_path / "m")  # fmt: skip
+    save_pretrained(build_model(parse_config({**raw, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+                                              "ple_layer_ids": [1]}).text, seed=0), tmp_path / "m")  # fmt: skip
     no_head = engine("--model", str(tmp_path / "m"))
     assert no_head.spec_auto is None and no_head.num_speculative_tokens == 0

@@ -35,6 +35,7 @@ from serve_helpers import small_model
 from spec_helpers import KnownDrafts
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.errors import ConfigError
 from flashnext.quant.apply import QuantScheme, quantize_model
@@ -75,7 +76,7 @@ def checkpoints(tmp_path_factory, small_config_module) -> Path:
     cfg = {**small_config_module, "num_hidden_layers": 2, "layer_types": ["linear_attention", "indexed_attention"]}
     cfg.update(ple_layer_ids=[1], mtp_num_hidden_layers=1)
     root = tmp_path_factory.mktemp("matrix")
-    small_model(cfg, seed=3).to(torch.bfloat16).save_pretrained(root / "bf16")
+    save_pretrained(small_model(cfg, seed=3).to(torch.bfloat16), root / "bf16")
     quantize_checkpoint(root / "bf16", root / "fp8")
     return root
 

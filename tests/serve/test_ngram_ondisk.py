@@ -19,6 +19,7 @@ from serve_helpers import small_model
 from torch import nn
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.cli import main as cli_main
 from flashnext.config import parse_config
@@ -36,8 +37,8 @@ def checkpoints(tmp_path, small_config):
     """fp32, bf16 and fp8 (quantised from the bf16 one) checkpoints of one small model, tables in 3 shards."""
     root = tmp_path / "ckpts"
     model = small_model(dict(small_config, split_ngram_parts=3), seed=5)
-    model.save_pretrained(root / "fp32")
-    model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    save_pretrained(model, root / "fp32")
+    save_pretrained(model.to(torch.bfloat16), root / "bf16")
     quantize_checkpoint(root / "bf16", root / "fp8")
     return root
 
@@ -101,7 +102,7 @@ def test_ondisk_table_cache_counters_errors_and_save(tmp_path, checkpoints):
     with pytest.raises(InputError, match=rf"n-gram id {table.num_embeddings} at flat position 1 is outside"):
         table(torch.tensor([0, table.num_embeddings]))
 
-    model.save_pretrained(tmp_path / "copy")  # rows copied from the files: the FP8 bytes come back unchanged
+    save_pretrained(model, tmp_path / "copy")  # rows copied from the files: the FP8 bytes come back unchanged
     src, dst = load_file(checkpoints / "fp8" / "model.safetensors"), load_file(tmp_path / "copy" / "model.safetensors")
     tables = [k for k in src if ".ngram_embedding." in k]
     assert len(tables) == 4  # 3 shards + the scale
@@ -109,7 +110,7 @@ def test_ondisk_table_cache_counters_errors_and_save(tmp_path, checkpoints):
         assert src[key].dtype == dst[key].dtype and src[key].shape == dst[key].shape, key
         assert src[key].reshape(-1).view(torch.uint8).tolist() == dst[key].reshape(-1).view(torch.uint8).tolist(), key
     with pytest.raises(CheckpointError, match="reads its rows from files there"):
-        model.save_pretrained(checkpoints / "fp8")
+        save_pretrained(model, checkpoints / "fp8")
 
 
 def test_generate_cli_with_ondisk_tables(checkpoints, capsys):
@@ -176,7 +177,7 @@ def test_a_truncated_or_corrupt_table_file_is_named_with_its_sizes(tmp_path, sma
     """The file holding a table's rows, cut short (or its header garbled): the error names the file and, for a
     short file, the size its header describes and the size it has (before: "no n-gram table rows")."""
     model = small_model(dict(small_config, split_ngram_parts=3), seed=5)
-    model.save_pretrained(tmp_path / "ck", max_shard_bytes=20_000)
+    save_pretrained(model, tmp_path / "ck", max_shard_bytes=20_000)
     files = sorted((tmp_path / "ck").glob("model-*.safetensors"))
     table_file = next(f for f in files if "ngram_embedding.shard_" in f.read_bytes()[:4096].decode(errors="replace"))
     size = table_file.stat().st_size

@@ -8,6 +8,7 @@ import torch
 from test_trainer import _overrides, _write_pretokenized
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.batch import PackedBatch
 from flashnext.checkpoint import training
 from flashnext.cli import main as cli_main
@@ -32,7 +33,7 @@ def composite_checkpoint(small_config, tmp_path):
     )
     model = FlashNextForConditionalGeneration(cfg)
     model.init_weights(seed=0)
-    model.save_pretrained(tmp_path / "vlm")
+    save_pretrained(model, tmp_path / "vlm")
     return tmp_path / "vlm"
 
 
@@ -77,7 +78,7 @@ def test_trainer_trains_the_composite_mtp_head_on_images(small_config, tmp_path)
     )
     model = FlashNextForConditionalGeneration(cfg)
     model.init_weights(seed=0)
-    model.save_pretrained(tmp_path / "vlm")
+    save_pretrained(model, tmp_path / "vlm")
     data = _write_pretokenized(tmp_path / "d.jsonl", n=8)
     extra = [f"--model.path={json.dumps(str(tmp_path / 'vlm'))}", "--train.mtp_loss_weight=0.5"]
     args = [a for a in _overrides(small_config, tmp_path, data, "--train.steps=1", *extra) if "overrides" not in a]

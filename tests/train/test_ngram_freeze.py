@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 import flashnext
+from flashnext import save_pretrained
 from flashnext.checkpoint.quantize import quantize_checkpoint
 from flashnext.config import parse_config
 from flashnext.errors import ConfigError
@@ -91,7 +92,7 @@ def test_frozen_table_has_no_grad_no_state_and_leaves_the_rest_unchanged(tmp_pat
 def fp8_checkpoint(tmp_path, small_config):
     model = FlashNextForCausalLM(parse_config(dict(small_config, split_ngram_parts=3)).text)
     model.init_weights(0)
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    save_pretrained(model.to(torch.bfloat16), tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
     return tmp_path / "fp8"
 

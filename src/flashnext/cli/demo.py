@@ -95,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
         out_dir = Path(args.out) if args.out else Path(tmp)
         t0 = time.perf_counter()
-        model.save_pretrained(out_dir, overwrite=args.overwrite)
+        flashnext.save_pretrained(model, out_dir, overwrite=args.overwrite)
         t_save = time.perf_counter() - t0
         t0 = time.perf_counter()
         reloaded = flashnext.from_pretrained(out_dir, dtype=dtype, device=args.device).eval()

@@ -281,9 +281,3 @@ class FlashNextForConditionalGeneration(nn.Module):
         if self.visual is not None:
             gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed + 1)
             self.visual.init_weights(self.config.initializer_range, gen)
-
-    def save_pretrained(self, path, **kwargs) -> None:
-        """Write the official composite checkpoint layout (see `flashnext.checkpoint`)."""
-        from flashnext.checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)

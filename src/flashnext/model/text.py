@@ -299,12 +299,6 @@ class FlashNextForCausalLM(nn.Module):
         gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
         init_modules(self, WholeTensorInit(gen, self.config.initializer_range))
 
-    def save_pretrained(self, path, **kwargs) -> None:
-        """Write the official checkpoint layout (see `flashnext.checkpoint`)."""
-        from flashnext.checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
-
 
 class WholeTensorInit:
     """How `init_modules` writes a value: whole tensors, drawn from `gen` (None: torch's global generator).

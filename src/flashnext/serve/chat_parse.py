@@ -137,6 +137,29 @@ def coerce(raw: str, schema: Any) -> Any:
     return raw
 
 
+def _xml_param(text: str, pos: int, final: bool) -> tuple[str, str, int] | None:
+    """The `<parameter=KEY>VALUE</parameter>` starting at `pos`: (key, raw value without the newline that opens and
+    the one that closes it, position after it), or None while it may still be incomplete (streaming, not `final`).
+    A value ends at `</parameter>`, or at the next tag when the model left that out (the end of a `final` text)."""
+    close = text.find(">", pos)
+    if close < 0:
+        return None
+    key = text[pos + len(PARAM) : close].strip()
+    start = close + 1
+    ends = [(i, t) for t in (END_PARAM, PARAM, END_FUNC, END_CALL) if (i := text.find(t, start)) >= 0]
+    if ends:
+        at, tag = min(ends)
+        nxt = at + len(END_PARAM) if tag == END_PARAM else at
+    elif final:
+        at, nxt = len(text), len(text)
+    else:
+        return None
+    raw = text[start:at]
+    raw = raw[1:] if raw.startswith("\n") else raw
+    raw = raw[:-1] if raw.endswith("\n") else raw
+    return key, raw, nxt
+
+
 # ------------------------------------------------------------------------------------------------------ parsing
 @dataclass
 class Call:
@@ -259,27 +282,14 @@ class OutputParser:
             while pos < len(text) and text[pos].isspace():
                 pos += 1
             if text.startswith(PARAM, pos):
-                close = text.find(">", pos)
-                if close < 0:
+                param = _xml_param(text, pos, final)
+                if param is None:
                     break
-                key = text[pos + len(PARAM) : close].strip()
-                start = close + 1
-                ends = [(i, t) for t in (END_PARAM, PARAM, END_FUNC, END_CALL) if (i := text.find(t, start)) >= 0]
-                if ends:
-                    at, tag = min(ends)
-                    nxt = at + len(END_PARAM) if tag == END_PARAM else at
-                elif final:
-                    at, nxt = len(text), len(text)
-                else:
-                    break
-                raw = text[start:at]
-                raw = raw[1:] if raw.startswith("\n") else raw
-                raw = raw[:-1] if raw.endswith("\n") else raw
+                key, raw, pos = param
                 if key not in seen:
                     seen.add(key)
                     value = coerce(raw, schema.get(key))
                     pairs.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
-                pos = nxt
                 continue
             if text.startswith(END_FUNC, pos):
                 pos += len(END_FUNC)

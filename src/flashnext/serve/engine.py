@@ -2,7 +2,8 @@
 
 `serve.intake` checks and builds requests; `serve.scheduler` queues them, assigns slots, plans each step (chunked
 prefill) and preempts; `serve.model_step` runs the plan (eager, decode graph or speculative); `serve.sampler`
-samples and checks stops; `serve.speculative` verifies and proposes drafts; `serve.weight_update` copies weights.
+samples and checks stops; `serve.outcomes` records each request's tokens, ends it and tells its client;
+`serve.speculative` verifies and proposes drafts; `serve.weight_update` copies weights.
 
 Every `step()`:
 1. applies cancellations and admits queued requests (thread-safe hand-off from other threads);
@@ -67,16 +68,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.serve import grammar, prompt_logprobs
+from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.intake import Intake, check_speculative
 from flashnext.serve.model_step import ModelStep
+from flashnext.serve.outcomes import Outcomes
 from flashnext.serve.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET_MB, PrefixCache
 from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampler import Sampler
-from flashnext.serve.sampling import FAILED, SamplingParams
+from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.scheduler import Scheduler
 from flashnext.serve.spec_auto import AutoSpec, is_auto
 from flashnext.serve.speculative import SpecForward, Speculator
@@ -143,7 +145,6 @@ class Engine:
         self.scheduler = Scheduler(self.cache, self.prefix_cache)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the scheduler's, shared
         self.sampler = Sampler(tokenizer, self.eos_id, max_model_len)
-        self._finished: list[Request] = []  # finished during the current step
         self.stats = EngineStats()
         self.admitting = True  # False: finish the running requests, start no queued one (a weight update waits)
         self.weight_version = 0  # bumped by whoever updates the weights; recorded on each admitted request
@@ -161,6 +162,7 @@ class Engine:
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
         self.max_prompt_bytes = self.intake.max_prompt_bytes  # a longer text prompt is refused before tokenizing
         self.model_step = ModelStep(self.model, self.cache, self.device, self.speculator, self.decode_graph)
+        self.outcomes = Outcomes(self.scheduler, self.sampler, self.stats, self.speculator)  # records, ends, notifies
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -240,8 +242,7 @@ class Engine:
                 if self.spec_auto is not None:
                     self.spec_auto.record_plan(plan, time.perf_counter() - t0)
                 self._advance(plan, out, t0, routing, prompt)
-        done, self._finished = self._finished, []
-        return done
+        return self.outcomes.take()
 
     def _advance(self, plan: list[tuple[Request, int]], out, t0: float, routing=None, prompt=None):
         """After a successful forward: record asked prompt log-probs, count the fed tokens (`Scheduler.advance`),
@@ -250,20 +251,20 @@ class Engine:
         if prompt is not None:
             for req, why in prompt_logprobs.record(*prompt):  # its own failure, as a non-finite sampled row
                 log.error("request %s failed: %s", req.request_id, why)
-                self._finish(req, "error", why)
+                self.outcomes.finish(req, "error", why)
         spec = out if isinstance(out, SpecForward) else None
         logits = out if spec is None else spec.logits
         fed = self.scheduler.advance(plan, routing, None if spec is None else spec.first_row)
         if self.prefix_cache is not None:  # snapshots due now, before sampling may end a request
             self.prefix_cache.after_forward(plan, spec)
         for req in fed.scored_only:
-            self._finish(req, "length")
+            self.outcomes.finish(req, "length")
         emitted = len(fed.to_sample)
         if fed.to_sample:
             rows = fed.rows
-            self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], fed.to_sample)
+            self.outcomes.sample(logits if rows == list(range(logits.shape[0])) else logits[rows], fed.to_sample)
         for req, i, n in fed.to_verify:
-            emitted += self._verify(req, i, n, spec)
+            emitted += self.outcomes.verify(req, i, n, spec)
         if spec is not None:
             t1 = time.perf_counter()
             self.speculator.propose_or_stop(fed.cells, spec)
@@ -275,16 +276,6 @@ class Engine:
                     self.prefix_cache.collect(req)
         self.stats.step(fed.prompt_fed, time.perf_counter() - t0, emitted, fed.recomputed)
 
-    def _verify(self, req: Request, i: int, n: int, out: SpecForward) -> int:
-        """Accept entry i's drafts, roll its slot back past the first rejected one (`Speculator.settle`), record
-        the emitted tokens; returns how many were emitted."""
-        verdict, error = self.speculator.settle(req, i, n, out)
-        if verdict is None:
-            self._finish(req, "error", error)
-            return 0
-        self._emit(req, verdict.tokens, verdict.chosen, verdict.top, list(range(len(verdict.tokens))))
-        return len(verdict.tokens)
-
     def _recover(self, plan: list[tuple[Request, int]], exc: Exception) -> None:
         """A forward over `plan` raised: end its request if it ran alone, else preempt them all (they become
         suspects, `Scheduler.preempt`)."""
@@ -295,61 +286,13 @@ class Engine:
             return
         req = plan[0][0]
         log.error("model step failed for request %s alone: %s", req.request_id, what, exc_info=exc)
-        self._finish(req, "error", f"the model step failed on this request: {what}")
+        self.outcomes.finish(req, "error", f"the model step failed on this request: {what}")
 
     def _take_incoming(self) -> None:
         aborts = self.scheduler.take_incoming()
         if aborts:
             for req in [r for r in self.scheduler.unfinished() if r.group in aborts or r.request_id in aborts]:
-                self._finish(req, "abort", "cancelled")
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Sample row i of `logits` for `reqs[i]` and record it; a row that cannot be sampled ends its request."""
-        tokens, chosen, top, errors = self.sampler.sample(grammar.mask_rows(logits, reqs), reqs)
-        for i, req in enumerate(reqs):
-            if tokens[i] != FAILED:
-                self._emit(req, [tokens[i]], [chosen[i]] if chosen is not None else None, top, [i])
-                continue
-            msg = errors.get(i, "the model's logits for this request are not finite (NaN or inf)")
-            log.error("request %s failed: %s", req.request_id, msg)
-            self._finish(req, "error", msg)
-
-    def _emit(self, req: Request, tokens: list[int], chosen: list[float] | None, top, rows: list[int]) -> None:
-        """Record `tokens` (`Sampler.emit`; a constrained request's grammar advances first); then finish or notify
-        the request."""
-        if (broken := grammar.accept_emitted(req, tokens)) is not None:
-            self._finish(req, "error", broken)
-            return
-        reason, error = self.sampler.emit(req, tokens, chosen, top, rows)
-        if reason is None:
-            self._notify(req)
-        else:
-            self._finish(req, reason, error)
-
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """End `req` (idempotent): free its slot, count it, tell its client; pending children share its end."""
-        if req.finished:
-            return
-        req.finish_reason, req.error, req.finish_time = reason, error, time.perf_counter()
-        req.images = req.prompt_embeds = None
-        req.drafts = []
-        self.scheduler.release(req)
-        forks, req.forks = req.forks, []
-        self.stats.finish(req)
-        self._finished.append(req)
-        self._notify(req)
-        for child in forks:  # never forked: they share the parent's prompt, so its fate
-            self._finish(child, reason, error)
-
-    def _notify(self, req: Request) -> None:
-        if req.on_update is None:
-            return
-        try:
-            req.on_update(req)
-        except Exception as e:  # its client is gone or broken: cancel the request, keep serving the others
-            log.warning("update callback of %s failed (%s: %s); cancelling it", req.request_id, type(e).__name__, e)
-            if not req.finished:
-                self.scheduler.cancel(req.group)
+                self.outcomes.finish(req, "abort", "cancelled")
 
     def fail_all(self, reason: str, message: str) -> list[Request]:
         """End every queued, running and incoming request with `reason` ("error" or "abort") and `message`.
@@ -357,18 +300,7 @@ class Engine:
         The server's last resort (an exception outside the model step, or shutdown); safe to call when the
         engine's state is inconsistent: a request that cannot be finished cleanly is still marked and notified.
         """
-        self.scheduler.take_incoming(aborts=False)
-        for req in list(self.scheduler.unfinished()):
-            try:
-                self._finish(req, reason, message)
-            except Exception:
-                log.exception("could not finish request %s cleanly", req.request_id)
-                req.finish_reason, req.error, req.slot = reason, message, None
-                self._finished.append(req)
-                self._notify(req)
-        self.scheduler.clear()
-        done, self._finished = self._finished, []
-        return done
+        return self.outcomes.fail_all(reason, message)
 
     # ---- synchronous API -----------------------------------------------------------------------------
     def generate(

@@ -33,6 +33,10 @@ path's prefix is never evicted under it; when the cache's bytes exceed the budge
 recently used first; blocks of older weights (a weight load, or a new `weight_version`) are dropped as soon as they
 are unreferenced, and can never hit (their keys have another root).
 
+Parts: the block store (`serve.prefix_blocks`: blocks, bytes, references, eviction); the keys (`block_keys`);
+the slot copies (`_SlotView`: rows and snapshots out of a slot, a resumed path into one); `PrefixCache` decides
+what to resume, snapshot and insert.
+
 Legend: B block size, P prompt length, s resume position, e a request's prefilled length.
 """
 
@@ -47,32 +51,14 @@ from flashnext.errors import ConfigError
 from flashnext.model.state import POSITIONAL
 from flashnext.ops.deltanet import CHUNK
 from flashnext.serve.cache import StateCache
+from flashnext.serve.prefix_blocks import Block, BlockStore, PrefixStats
 from flashnext.serve.request import Request
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET_MB", "PrefixCache", "PrefixStats", "prefix_cache_line",
-           "prometheus_lines"]  # fmt: skip
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET_MB", "PrefixCache", "PrefixStats", "block_keys", "prefix_cache_line",
+           "prometheus_lines", "weights_root"]  # fmt: skip
 
 DEFAULT_BLOCK_SIZE = 256  # tokens per block: 4 GDN chunks; a GDN snapshot costs ~2-4k tokens of QSA K/V (PREFIX.md)
 DEFAULT_BUDGET_MB = 1024.0
-
-
-@dataclass(eq=False)
-class Block:
-    """One cached block of B tokens (positions `index*B .. (index+1)*B - 1`) of a path; see the module doc."""
-
-    key: bytes
-    root: bytes
-    parent: Block | None
-    index: int
-    rows: list[torch.Tensor]  # per positional buffer (trunk's, then the MTP head's), this block's rows
-    mtp: bool  # whether the MTP head's rows hold its cells
-    snapshot: list[torch.Tensor] | None = None  # per window/recurrent buffer, the slot's row after the block
-    residual: torch.Tensor | None = None  # [hc*D] trunk residual of the block's last token (MTP resume)
-    routing: torch.Tensor | None = None  # uint16 [B, L, k] its tokens' routed experts (requests that record them)
-    children: int = 0
-    refs: int = 0
-    last_used: int = 0
-    nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -85,28 +71,86 @@ class _Plan:
     pending: dict[int, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict)
 
 
-@dataclass
-class PrefixStats:
-    """Counters for /metrics and the server log: prompt tokens looked up at admission, cached tokens reused,
-    blocks inserted and evicted, snapshots taken."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    inserted: int = 0
-    evicted: int = 0
-    snapshots: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
 def _check_block_size(block_size: int, ratio: int) -> None:
     if block_size < 1 or block_size % CHUNK or (ratio and block_size % ratio):
         raise ConfigError(
             f"prefix cache block size {block_size} must be a positive multiple of the GDN chunk ({CHUNK}) and of "
             f"the QSA block (indexer_compress_ratio={ratio})"
         )
+
+
+# ---- keys ----------------------------------------------------------------------------------------------------
+def weights_root(weight_version: int, generation: int) -> bytes:
+    """The key every path hashes from: the weights' identity (a new one makes every cached key unreachable)."""
+    return hashlib.blake2b(f"flashnext-prefix/{weight_version}/{generation}".encode(), digest_size=16).digest()
+
+
+def block_keys(root: bytes, ids: list[int], B: int, images=None, image_token_id: int | None = None) -> list[bytes]:
+    """One key per full block of the prompt `ids` (see the module doc); `images`: the request's (pixels, grid),
+    hashed into every block from the one holding the first `image_token_id` on."""
+    first_image = None
+    if images is not None:  # the images' content from the block of the first image token on
+        first_image = next((i for i, t in enumerate(ids) if t == image_token_id), 0)
+        pixels, grid = images
+        h = hashlib.blake2b(digest_size=16)
+        h.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(grid.detach().cpu().to(torch.int64).numpy().tobytes())
+        image_key = h.digest()
+    out, key = [], root
+    for i in range(len(ids) // B):
+        h = hashlib.blake2b(key, digest_size=16)
+        h.update(torch.tensor(ids[i * B : (i + 1) * B], dtype=torch.int64).numpy().tobytes())
+        if first_image is not None and first_image < (i + 1) * B:
+            h.update(image_key)
+        key = h.digest()
+        out.append(key)
+    return out
+
+
+# ---- slot copies ---------------------------------------------------------------------------------------------
+class _SlotView:
+    """The cache buffers a block copies out of a slot and back: the positional ones (`positional`: buffer, tokens
+    per row (1, or c for the pooled index keys), of the MTP head), a slice per block, and the window and recurrent
+    ones (`states`), whose row after a block's last token is its snapshot."""
+
+    def __init__(self, cache: StateCache, n_mtp: int, B: int):
+        self.B = B
+        kinds = {id(b): k for b, k in cache.kinds()}
+        found = []  # (buffer, is positional, of the MTP head), in layer order
+        for li, layer in enumerate(cache.layers):
+            for part in layer.values():
+                for buf in vars(part).values():
+                    found.append((buf, kinds[id(buf)] == POSITIONAL, li >= len(cache.layers) - n_mtp))
+        longest = max((b.shape[1] for b, pos, _ in found if pos), default=1)
+        self.positional = [(b, longest // b.shape[1], m) for b, pos, m in found if pos]
+        self.states = [b for b, pos, _ in found if not pos]
+
+    def rows(self, slot: int, i: int, with_mtp: bool) -> list[torch.Tensor]:
+        """Block i's positional rows of `slot` (copies; the MTP head's empty unless `with_mtp`)."""
+        B = self.B
+        return [buf[slot, i * B // per : (i + 1) * B // per].clone() if with_mtp or not is_mtp
+                else buf.new_empty((0,)) for buf, per, is_mtp in self.positional]  # fmt: skip
+
+    def mtp_rows(self, slot: int, i: int) -> dict[int, torch.Tensor]:
+        """Block i's rows of `slot` in the MTP head's positional buffers, by buffer index (copies)."""
+        B = self.B
+        return {j: buf[slot, i * B // per : (i + 1) * B // per].clone()
+                for j, (buf, per, is_mtp) in enumerate(self.positional) if is_mtp}  # fmt: skip
+
+    def snapshot(self, slot: int) -> list[torch.Tensor]:
+        """The slot's window and recurrent state now (copies)."""
+        return [buf[slot].clone() for buf in self.states]
+
+    def load(self, slot: int, blocks: list[Block], with_mtp: bool) -> None:
+        """Copy the blocks' positional rows (the MTP head's only `with_mtp`) and the last one's snapshot into
+        `slot`."""
+        for j, (buf, per, is_mtp) in enumerate(self.positional):
+            if is_mtp and not with_mtp:
+                continue
+            rows = torch.cat([blk.rows[j] for blk in blocks]) if len(blocks) > 1 else blocks[0].rows[j]
+            buf[slot, : len(blocks) * self.B // per].copy_(rows)
+        for buf, row in zip(self.states, blocks[-1].snapshot, strict=True):
+            buf[slot].copy_(row)
 
 
 class PrefixCache:
@@ -128,61 +172,33 @@ class PrefixCache:
             raise ConfigError(f"prefix cache budget must be >= 0 MiB, got {budget_mb}")
         self.cache, self.B, self.budget = cache, block_size, int(budget_mb * 2**20)
         mtp = getattr(model, "mtp", None)
-        n_mtp = 0 if mtp is None else len(mtp.layers)
         self.image_token_id = getattr(model, "image_token_id", None)  # composite models
-        # Positional buffers (buffer, tokens per row: 1, or c for the pooled index keys, of the MTP head): block i's
-        # rows are a slice; the window and recurrent buffers (`states`) are what a snapshot copies.
-        kinds = {id(b): k for b, k in cache.kinds()}
-        found = []  # (buffer, is positional, of the MTP head), in layer order
-        for li, layer in enumerate(cache.layers):
-            for part in layer.values():
-                for buf in vars(part).values():
-                    found.append((buf, kinds[id(buf)] == POSITIONAL, li >= len(cache.layers) - n_mtp))
-        longest = max((b.shape[1] for b, pos, _ in found if pos), default=1)
-        self.positional = [(b, longest // b.shape[1], m) for b, pos, m in found if pos]
-        self.states = [b for b, pos, _ in found if not pos]
-        self.blocks: dict[bytes, Block] = {}
+        self.slots = _SlotView(cache, 0 if mtp is None else len(mtp.layers), block_size)
+        self.positional, self.states = self.slots.positional, self.slots.states
         self.plans: dict[Request, _Plan] = {}
         self.stats = PrefixStats()
-        self.nbytes = 0
         self.weight_version, self.generation = 0, 0
-        self._root = self._make_root()
-        self._clock = 0
-        self._stale = False  # whether blocks of older weights may remain
+        self.store = BlockStore(self.budget, self.stats, weights_root(0, 0))
+        self.blocks = self.store.blocks  # the store's (one dict, never rebound)
 
-    # ---- keys ----------------------------------------------------------------------------------------
-    def _make_root(self) -> bytes:
-        return hashlib.blake2b(f"flashnext-prefix/{self.weight_version}/{self.generation}".encode(),
-                               digest_size=16).digest()  # fmt: skip
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached blocks."""
+        return self.store.nbytes
+
+    @property
+    def _root(self) -> bytes:
+        return self.store.root
 
     def set_weights(self, weight_version: int, generation: int) -> None:
         """The weights' identity; a change makes every block stale (dropped once unreferenced)."""
         if (weight_version, generation) != (self.weight_version, self.generation):
             self.weight_version, self.generation = weight_version, generation
-            self._root = self._make_root()
-            self._stale = bool(self.blocks)
-            self._evict()
+            self.store.set_root(weights_root(weight_version, generation))
 
     def keys(self, req: Request) -> list[bytes]:
         """One key per full block of the prompt (see the module doc)."""
-        ids, B = req.prompt_ids, self.B
-        first_image = None
-        if req.images is not None:  # the images' content from the block of the first image token on
-            first_image = next((i for i, t in enumerate(ids) if t == self.image_token_id), 0)
-            pixels, grid = req.images
-            h = hashlib.blake2b(digest_size=16)
-            h.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            h.update(grid.detach().cpu().to(torch.int64).numpy().tobytes())
-            images = h.digest()
-        out, key = [], self._root
-        for i in range(len(ids) // B):
-            h = hashlib.blake2b(key, digest_size=16)
-            h.update(torch.tensor(ids[i * B : (i + 1) * B], dtype=torch.int64).numpy().tobytes())
-            if first_image is not None and first_image < (i + 1) * B:
-                h.update(images)
-            key = h.digest()
-            out.append(key)
-        return out
+        return block_keys(self.store.root, req.prompt_ids, self.B, req.images, self.image_token_id)
 
     # ---- admission -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -192,12 +208,7 @@ class PrefixCache:
         B, P = self.B, len(req.prompt_ids)
         plan = _Plan(self.keys(req))
         self.plans[req] = plan
-        matched = []
-        for key in plan.keys:
-            blk = self.blocks.get(key)
-            if blk is None:
-                break
-            matched.append(blk)
+        matched = self.store.match(plan.keys)
         d = 0
         routed = req.params.return_routed_experts
         for i, blk in enumerate(matched):
@@ -207,10 +218,7 @@ class PrefixCache:
                 break
             if blk.snapshot is not None and (i + 1) * B < P and (not req.spec_k or blk.residual is not None):
                 d = i + 1
-        self._clock += 1
-        for blk in matched:
-            blk.refs += 1
-            blk.last_used = self._clock
+        self.store.hold(matched)
         plan.path = matched
         if d:
             self._load(req, matched[:d])
@@ -228,21 +236,13 @@ class PrefixCache:
 
     def _load(self, req: Request, blocks: list[Block]) -> None:
         """Copy the blocks' rows and the last one's snapshot into the request's slot."""
-        slot, B = req.slot, self.B
         with_mtp = bool(req.spec_k)
-        for j, (buf, per, is_mtp) in enumerate(self.positional):
-            if is_mtp and not with_mtp:
-                continue
-            rows = torch.cat([blk.rows[j] for blk in blocks]) if len(blocks) > 1 else blocks[0].rows[j]
-            buf[slot, : len(blocks) * B // per].copy_(rows)
-        last = blocks[-1]
-        for buf, row in zip(self.states, last.snapshot, strict=True):
-            buf[slot].copy_(row)
+        self.slots.load(req.slot, blocks, with_mtp)
         if req.params.return_routed_experts:
             req.routed = [(0, torch.cat([blk.routing for blk in blocks]))]
         if with_mtp:
-            req.mtp_cells = len(blocks) * B - 1  # the last cell waits for the next token: recomputed
-            req.resume_residual = last.residual
+            req.mtp_cells = len(blocks) * self.B - 1  # the last cell waits for the next token: recomputed
+            req.resume_residual = blocks[-1].residual
 
     def limit(self, req: Request, budget: int) -> int:
         """`budget` cut so that a prefill chunk ends at the request's next snapshot point."""
@@ -268,7 +268,7 @@ class PrefixCache:
             if not p.points or p.points[0] != e:
                 continue
             p.points.pop(0)  # (no drafts rode here: a chunk cut at a point by `limit` leaves them out)
-            rows = [buf[req.slot].clone() for buf in self.states]
+            rows = self.slots.snapshot(req.slot)
             residual = None
             if spec is not None and req.spec_k:
                 residual = spec.residual[spec.cu[i] + (e - 1 - spec.cached[i])].clone()
@@ -281,71 +281,30 @@ class PrefixCache:
         p = self.plans.get(req)
         if p is None or req.suspect or req.slot is None:
             return
-        B = self.B
+        B, store = self.B, self.store
         done = min(req.num_cached, len(req.prompt_ids)) // B
         mtp = bool(req.spec_k)
         routing = req.routed_experts() if req.params.return_routed_experts and len(p.path) < done else None
-        self._clock += 1
+        held = len(p.path)
         while len(p.path) < done:
             i = len(p.path)
-            key = p.keys[i]
-            blk = self.blocks.get(key)
+            blk = store.blocks.get(p.keys[i])
             has_mtp = mtp and req.mtp_cells >= (i + 1) * B
             if blk is None:
                 parent = p.path[-1] if p.path else None
-                blk = Block(key, self._root, parent, i, self._rows(req.slot, i, has_mtp), has_mtp)
-                blk.nbytes = sum(r.numel() * r.element_size() for r in blk.rows)
-                if parent is not None:
-                    parent.children += 1
-                self.blocks[key] = blk
-                self.nbytes += blk.nbytes
-                self.stats.inserted += 1
+                blk = store.insert(p.keys[i], parent, i, self.slots.rows(req.slot, i, has_mtp), has_mtp)
             elif has_mtp and not blk.mtp:
-                self._fill_mtp(blk, req.slot, i)
+                store.set_mtp_rows(blk, self.slots.mtp_rows(req.slot, i))
             if routing is not None and blk.routing is None and routing.shape[0] >= (i + 1) * B:
-                blk.routing = routing[i * B : (i + 1) * B].clone()
-                blk.nbytes += blk.routing.numel() * blk.routing.element_size()
-                self.nbytes += blk.routing.numel() * blk.routing.element_size()
-            blk.refs += 1
-            blk.last_used = self._clock
+                store.set_routing(blk, routing[i * B : (i + 1) * B].clone())
             p.path.append(blk)
+        store.hold(p.path[held:])
         for e in [e for e in p.pending if e // B <= len(p.path)]:
             rows, residual = p.pending.pop(e)
             blk = p.path[e // B - 1]
             if blk.snapshot is None or (residual is not None and blk.residual is None):
-                self._set_snapshot(blk, rows, residual)
-        self._evict()
-
-    def _rows(self, slot: int, i: int, with_mtp: bool) -> list[torch.Tensor]:
-        B = self.B
-        return [buf[slot, i * B // per : (i + 1) * B // per].clone() if with_mtp or not is_mtp
-                else buf.new_empty((0,)) for buf, per, is_mtp in self.positional]  # fmt: skip
-
-    def _fill_mtp(self, blk: Block, slot: int, i: int) -> None:
-        B = self.B
-        for j, (buf, per, is_mtp) in enumerate(self.positional):
-            if is_mtp:
-                self.nbytes -= blk.rows[j].numel() * blk.rows[j].element_size()
-                blk.rows[j] = buf[slot, i * B // per : (i + 1) * B // per].clone()
-                self.nbytes += blk.rows[j].numel() * blk.rows[j].element_size()
-        blk.nbytes = self._bytes(blk)
-        blk.mtp = True
-
-    def _set_snapshot(self, blk: Block, rows: list[torch.Tensor], residual: torch.Tensor | None) -> None:
-        self.nbytes -= self._snapshot_bytes(blk)
-        blk.snapshot, blk.residual = rows, residual
-        self.nbytes += self._snapshot_bytes(blk)
-        blk.nbytes = self._bytes(blk)
-        self.stats.snapshots += 1
-
-    def _bytes(self, blk: Block) -> int:
-        routing = blk.routing.numel() * blk.routing.element_size() if blk.routing is not None else 0
-        return sum(r.numel() * r.element_size() for r in blk.rows) + self._snapshot_bytes(blk) + routing
-
-    @staticmethod
-    def _snapshot_bytes(blk: Block) -> int:
-        n = sum(r.numel() * r.element_size() for r in blk.snapshot) if blk.snapshot is not None else 0
-        return n + (blk.residual.numel() * blk.residual.element_size() if blk.residual is not None else 0)
+                store.set_snapshot(blk, rows, residual)
+        store.evict()
 
     # ---- lifetime ------------------------------------------------------------------------------------
     def release(self, req: Request, keep: bool = True) -> None:
@@ -357,40 +316,7 @@ class PrefixCache:
         if keep:
             self.collect(req)
         del self.plans[req]
-        for blk in p.path:
-            blk.refs -= 1
-        self._evict()
-
-    def _drop(self, blk: Block) -> None:
-        del self.blocks[blk.key]
-        self.nbytes -= blk.nbytes
-        if blk.parent is not None:
-            blk.parent.children -= 1
-        self.stats.evicted += 1
-
-    def _evict(self) -> None:
-        """Drop unreferenced stale blocks, then unreferenced leaves, least recently used first, past the budget."""
-        stale = [b for b in self.blocks.values() if b.root != self._root] if self._stale else []
-        self._stale = bool(stale)
-        while stale:
-            leaves = [b for b in stale if b.refs == 0 and b.children == 0]
-            if not leaves:
-                break
-            for b in leaves:
-                self._drop(b)
-            stale = [b for b in stale if b.key in self.blocks]
-            self._stale = bool(stale)
-        if self.nbytes <= self.budget:
-            return
-        leaves = sorted((b for b in self.blocks.values() if b.refs == 0 and b.children == 0),
-                        key=lambda b: b.last_used)  # fmt: skip
-        while self.nbytes > self.budget and leaves:
-            b = leaves.pop(0)
-            self._drop(b)
-            parent = b.parent
-            if parent is not None and parent.refs == 0 and parent.children == 0 and parent.key in self.blocks:
-                pos = next((k for k, o in enumerate(leaves) if o.last_used > parent.last_used), len(leaves))
-                leaves.insert(pos, parent)
+        self.store.release(p.path)
 
 
 def prefix_cache_line(pc: PrefixCache) -> str:

@@ -46,10 +46,25 @@ def _divide(total: torch.Tensor, count: int | torch.Tensor, name: str) -> torch.
     return total / max(int(count), 1)
 
 
+def _targets(labels: torch.Tensor, seg_or_cu: Segments | torch.Tensor, shifted) -> torch.Tensor:
+    """`shifted(labels, seg, IGNORE_INDEX)` (`next_token_targets` or `mtp_targets`) within each packed sequence."""
+    return shifted(labels, _as_segments(seg_or_cu, labels.shape[0], labels.device), IGNORE_INDEX)
+
+
+def _check_rows(logits: torch.Tensor, labels: torch.Tensor, name: str) -> None:
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise InputError(f"{name} must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
+
+
+def _summed_ce(logits: torch.Tensor, targets: torch.Tensor, count: int | torch.Tensor, name: str) -> torch.Tensor:
+    """Cross-entropy summed in fp32 over the targets that are not -100, divided by the step's `count`."""
+    total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _divide(total, count, name)
+
+
 def count_label_tokens(labels: torch.Tensor, seg_or_cu: Segments | torch.Tensor) -> int:
     """Number of tokens `sft_loss` sums over in one micro-batch (sum it over the step for `num_label_tokens`)."""
-    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    return int((next_token_targets(labels, seg, IGNORE_INDEX) != IGNORE_INDEX).sum())
+    return int((_targets(labels, seg_or_cu, next_token_targets) != IGNORE_INDEX).sum())
 
 
 def sft_loss(
@@ -73,23 +88,19 @@ def sft_loss(
     Returns:
         0-d fp32 tensor; summing it over the step's micro-batches gives the mean over the step's loss tokens.
     """
-    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise InputError(f"logits must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
-    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    return shifted_sft_loss(logits, next_token_targets(labels, seg, IGNORE_INDEX), num_label_tokens)
+    _check_rows(logits, labels, "logits")
+    return shifted_sft_loss(logits, _targets(labels, seg_or_cu, next_token_targets), num_label_tokens)
 
 
 def shifted_sft_loss(logits: torch.Tensor, targets: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
     """`sft_loss` of targets already shifted (`targets[t]` is what row t predicts, -100 none), e.g. a
     context-parallel rank's slice of targets formed on the whole stream. logits [T, V], targets int64 [T]."""
-    total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return _divide(total, num_label_tokens, "num_label_tokens")
+    return _summed_ce(logits, targets, num_label_tokens, "num_label_tokens")
 
 
 def count_mtp_tokens(labels: torch.Tensor, seg_or_cu: Segments | torch.Tensor) -> int:
     """Number of tokens `mtp_loss` sums over in one micro-batch (targets `labels[t + 2]` within a sequence)."""
-    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    return int((mtp_targets(labels, seg, IGNORE_INDEX) != IGNORE_INDEX).sum())
+    return int((_targets(labels, seg_or_cu, mtp_targets) != IGNORE_INDEX).sum())
 
 
 def mtp_loss(
@@ -111,14 +122,8 @@ def mtp_loss(
     Returns:
         0-d fp32 tensor; summed over the step's micro-batches, the mean over the step's MTP target tokens.
     """
-    if mtp_logits.dim() != 2 or labels.shape != mtp_logits.shape[:1]:
-        raise InputError(
-            f"mtp_logits must be [T, V] and labels [T], got {tuple(mtp_logits.shape)} and {tuple(labels.shape)}"
-        )
-    seg = _as_segments(seg_or_cu, labels.shape[0], labels.device)
-    targets = mtp_targets(labels, seg, IGNORE_INDEX)
-    total = F.cross_entropy(mtp_logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return _divide(total, num_mtp_tokens, "num_mtp_tokens")
+    _check_rows(mtp_logits, labels, "mtp_logits")
+    return _summed_ce(mtp_logits, _targets(labels, seg_or_cu, mtp_targets), num_mtp_tokens, "num_mtp_tokens")
 
 
 def token_logprobs(

@@ -135,7 +135,9 @@ def export_model(model, tokenizer, ctx, path: str | Path) -> None:
         dist.barrier()  # rank 0 emptied the temp directory
         export_pretrained(model, tmp)
     else:
-        model.save_pretrained(tmp)
+        from flashnext.checkpoint import save_pretrained
+
+        save_pretrained(model, tmp)
     if ctx.is_main:
         if tokenizer is not None and hasattr(tokenizer, "save"):
             tokenizer.save(tmp)
