@@ -54,6 +54,7 @@ QUANT_KEY = "quantization_config"
 TRUNK = ("bf16", "int8")
 EXPERTS = ("bf16", "int8", "int4")
 GROUPS = (32, 64, 128)
+NO_GROUP = 64  # the group a scheme without int4 carries (`quant.apply.DEFAULT_GROUP`): unused, compared equal
 SCALE_DTYPES = ("BF16", "F16")
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -101,7 +102,7 @@ def parse_int_config(raw) -> IntScheme | None:
         raise CheckpointError(f"{where}.trunk={trunk!r}: expected one of {list(TRUNK)}")
     if experts not in EXPERTS:
         raise CheckpointError(f"{where}.experts={experts!r}: expected one of {list(EXPERTS)}")
-    group = raw.get("group_size", 0) if experts == "int4" else 0
+    group = raw.get("group_size", 0) if experts == "int4" else NO_GROUP
     if experts == "int4" and group not in GROUPS:
         raise CheckpointError(f"{where}.group_size={group!r}: int4 groups of {list(GROUPS)} are implemented")
     mods = raw.get("modules")
@@ -224,7 +225,7 @@ def use_int_modules(model: nn.Module, path: str | Path, scheme: IntScheme, style
             old = model.get_submodule(name)
             if kind == "experts":
                 E, two_i, D = old.gate_up_proj.shape
-                new = QuantExperts(scheme.experts, E, D, two_i // 2, cdtype, dtype, scheme.group or 64)
+                new = QuantExperts(scheme.experts, E, D, two_i // 2, cdtype, dtype, scheme.group)
             else:
                 N, K = old.weight.shape
                 bias = getattr(old, "bias", None)

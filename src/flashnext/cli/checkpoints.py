@@ -59,7 +59,8 @@ def run_quantize(args: argparse.Namespace) -> None:
         _run_quantize_weights(args, start)
         return
     if not args.ngram:
-        raise InputError("quantize: say what to quantise: --weights fp8|int8|int4 or --ngram fp8")
+        raise InputError("quantize: say what to quantise: --weights fp8 or --ngram fp8 (or --weights int8|int4, "
+                         "--trunk / --experts)")
     scales = quantize_checkpoint(args.src, args.dst, ngram=args.ngram, overwrite=args.overwrite)
     for table, scale in scales.items():
         print(f"{table}: F8_E4M3, weight_scale {scale:.6g}")
