@@ -264,7 +264,8 @@ def test_composite_checkpoint_loads_bitwise_as_quantize_model(tmp_path, small_co
     from flashnext.model.multimodal import FlashNextForConditionalGeneration
 
     text = {**small_config_module, **OVERRIDES, "mtp_num_hidden_layers": 0}
-    cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=dict(TINY_VISION, out_hidden_size=64)))
+    vision = dict(TINY_VISION, out_hidden_size=64)
+    cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=vision))
     _perturbed(FlashNextForConditionalGeneration(cfg)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     quantize_int(tmp_path / "bf16", tmp_path / "int4", SCHEMES["int4"])
     loaded = flashnext.from_pretrained(tmp_path / "int4", dtype=torch.float32)

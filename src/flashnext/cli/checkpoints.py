@@ -32,12 +32,12 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["fp8", "int8", "int4"], help="fp8: the official FP8 checkpoint (routed "
                    "experts in 128x128 block FP8, n-gram tables FP8, the rest as is, quantization_config in "
                    "config.json); int8: trunk linears and routed experts int8 per output channel; int4: routed "
-                   "experts int4 per group over an int8 trunk (codes + scales on disk, loaded without a float copy)")
+                   "experts int4 per group over an int8 trunk (codes + scales on disk, loaded without a float copy)")  # fmt: skip
     p.add_argument("--trunk", choices=["bf16", "int8"], default=None, help="override --weights for the dense trunk")
     p.add_argument("--experts", choices=["bf16", "int8", "int4"], default=None,
-                   help="override --weights for the routed experts")
+                   help="override --weights for the routed experts")  # fmt: skip
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, metavar="G",
-                   help="int4 experts: input features per scale/zero group, 32, 64 or 128 (default 64)")
+                   help="int4 experts: input features per scale/zero group, 32, 64 or 128 (default 64)")  # fmt: skip
     p.add_argument("src", metavar="IN", help="checkpoint directory with BF16/F16/F32 weights")
     p.add_argument("dst", metavar="OUT", help="output directory (other tensors and files copied unchanged)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT directory whole")
