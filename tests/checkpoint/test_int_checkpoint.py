@@ -273,3 +273,19 @@ def test_composite_checkpoint_loads_bitwise_as_quantize_model(tmp_path, small_co
     assert any(isinstance(m, torch.nn.Linear) for m in loaded.visual.modules())
     with torch.no_grad():
         assert torch.equal(loaded(_ids()).logits, direct(_ids()).logits)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_plan_of_an_int_checkpoint_reports_its_quantized_bytes(ckpts, weights):
+    """`flashnext plan` (and serve's plan with the default flags) reads the scheme and group from config.json: the
+    routed experts' row is the bytes the loaded model's `QuantExperts` hold (int4 with the stored group 32)."""
+    from flashnext.cli.plan import build_plan
+    from flashnext.plan import PlanOptions
+
+    opts = PlanOptions(dtype="bf16", max_slots=0)
+    rows = {r.part: r for r in build_plan(str(ckpts[weights]), opts)[0].rows}
+    loaded = flashnext.from_pretrained(ckpts[weights], dtype=torch.bfloat16)
+    held = sum(b.nbytes for m in loaded.model.modules() if isinstance(m, QuantExperts) for b in m.buffers())
+    assert rows["routed experts"].bytes == held and rows["routed experts"].note.startswith(weights)
+    assert rows["lm_head"].note == "int8"
+    assert rows["lm_head"].bytes == sum(t.nbytes for t in (loaded.lm_head.qweight, loaded.lm_head.scale))

@@ -32,7 +32,8 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["fp8", "int8", "int4"], help="fp8: the official FP8 checkpoint (routed "
                    "experts in 128x128 block FP8, n-gram tables FP8, the rest as is, quantization_config in "
                    "config.json); int8: trunk linears and routed experts int8 per output channel; int4: routed "
-                   "experts int4 per group over an int8 trunk (codes + scales on disk, loaded without a float copy)")  # fmt: skip
+                   "experts int4 per group over an int8 trunk (codes + scales on disk, loaded without a float "
+                   "copy)")  # fmt: skip
     p.add_argument("--trunk", choices=["bf16", "int8"], default=None, help="override --weights for the dense trunk")
     p.add_argument("--experts", choices=["bf16", "int8", "int4"], default=None,
                    help="override --weights for the routed experts")  # fmt: skip
@@ -60,7 +61,7 @@ def run_quantize(args: argparse.Namespace) -> None:
         return
     if not args.ngram:
         raise InputError("quantize: say what to quantise: --weights fp8 or --ngram fp8 (or --weights int8|int4, "
-                         "--trunk / --experts)")
+                         "--trunk / --experts)")  # fmt: skip
     scales = quantize_checkpoint(args.src, args.dst, ngram=args.ngram, overwrite=args.overwrite)
     for table, scale in scales.items():
         print(f"{table}: F8_E4M3, weight_scale {scale:.6g}")
