@@ -4,10 +4,10 @@ against the bf16 checkpoint loaded and quantized in memory (`serve --weights int
 Configs of `benchmarks/quantized.py`: `31m` (~31M params, 16 experts) and `64e` (64 experts: the experts dominate).
 Random weights (`build_model`, seed 0) saved in bf16, then quantized on disk once. Each (config, scheme, route) loads
 in its own process (`--worker`) with `dtype=bfloat16`, 1 thread; peak_mb = the process's peak RSS
-(`resource.getrusage` ru_maxrss, reset after the imports through `/proc/self/clear_refs`) minus its RSS then; the checkpoint files are mmapped while loading, so
-the pages read count in it (about the file's size in both routes). peak_anon_mb = the peak of the anonymous (heap)
-RSS, sampled every millisecond by a thread (`RssAnon`), less its value after the imports: the tensors the load
-allocates, without the file pages. held_mb = RSS after the load (after `malloc_trim`) minus the base.
+(`resource.getrusage` ru_maxrss, reset after the imports through `/proc/self/clear_refs`) minus its RSS then: it
+counts file-backed pages too (the mmapped checkpoint, torch's library code first touched). peak_anon_mb = the peak
+of the anonymous (heap) RSS, sampled every millisecond by a thread (`RssAnon`), less its value after the imports:
+the tensors the load allocates, without the file pages. held_mb = RSS after the load (`malloc_trim`) less the base.
 
 Output, per config and scheme, then one line:
     config=<c> weights=<s> route=<disk|memory> peak_mb=<x> peak_anon_mb=<x> held_mb=<x> load=<1-min load>
@@ -101,8 +101,10 @@ def main(argv=None) -> int:
                            "--route", route]  # fmt: skip
                     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                     got[route] = json.loads(out.strip().splitlines()[-1])
-                    print(f"config={name} weights={weights} route={route} peak_mb={got[route]['peak_mb']:.1f} "
-                          f"peak_anon_mb={got[route]['anon_mb']:.1f} held_mb={got[route]['held_mb']:.1f} load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                    g = got[route]
+                    print(f"config={name} weights={weights} route={route} peak_mb={g['peak_mb']:.1f} "
+                          f"peak_anon_mb={g['anon_mb']:.1f} held_mb={g['held_mb']:.1f} "
+                          f"load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
                 ratios[f"peak_{weights}"] = got["disk"]["peak_mb"] / got["memory"]["peak_mb"]
                 ratios[f"peak_anon_{weights}"] = got["disk"]["anon_mb"] / got["memory"]["anon_mb"]
     print(" ".join(f"load_{k}_disk_vs_memory={r:.2f}" for k, r in ratios.items()))
