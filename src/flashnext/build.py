@@ -121,7 +121,7 @@ def from_pretrained(
         log.warning("%s: config.json declares an MTP layer but no mtp.* weights are stored; loaded without it", path)
         model.mtp = None
     if int_q is not None:  # its quantized modules built as such on meta (no float copy), filled after the rest
-        int_q = use_int_modules(model, path, int_q, style, dtype)
+        int_q = use_int_modules(model, path, int_q, style, dtype, device)
     _materialise(model, device)
     model.model_config = cfg
     skip = {} if int_q is None else {"skip_ours": int_q.skip_ours, "skip_disk": int_q.skip_disk}

@@ -226,6 +226,21 @@ def test_refuses_an_unknown_scheme_or_group(ckpts, tmp_path, field, value, needl
     _refused(d, needle)
 
 
+def test_an_int_checkpoint_off_the_cpu_is_refused_before_loading(ckpts):
+    with pytest.raises(ConfigError, match="runs on the CPU .*asked for cuda"):
+        flashnext.from_pretrained(ckpts["int8"], device="cuda")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantize_reads_one_tensor_at_a_time(ckpts, tmp_path, weights):
+    """The writer's peak: no stacked expert weight, no float tensor larger than the largest tensor of the source."""
+    largest = max(torch.Size(s).numel() for s, _ in headers(ckpts["bf16"]).values())
+    with _FloatTensors() as seen:
+        quantize_int(ckpts["bf16"], tmp_path / "out", SCHEMES[weights])
+    assert seen.shapes and not {(8, 128, 64), (8, 64, 64)} & seen.shapes
+    assert max(torch.Size(s).numel() for s in seen.shapes) <= largest
+
+
 def test_serving_flags_must_match_the_stored_scheme(ckpts):
     """`serve --weights int4` on an int8 checkpoint: one line naming both; the stored scheme (or no flag) serves
     it as stored."""
@@ -289,3 +304,20 @@ def test_plan_of_an_int_checkpoint_reports_its_quantized_bytes(ckpts, weights):
     assert rows["routed experts"].bytes == held and rows["routed experts"].note.startswith(weights)
     assert rows["lm_head"].note == "int8"
     assert rows["lm_head"].bytes == sum(t.nbytes for t in (loaded.lm_head.qweight, loaded.lm_head.scale))
+
+
+def test_a_tied_checkpoint_stores_lm_head_codes_from_the_embedding(tmp_path, small_config_module):
+    """A tied checkpoint has no `lm_head.weight` (from_pretrained copies the embedding into it, which
+    quantize_model then quantizes): its codes are made from the embedding's bytes, bitwise as in memory."""
+    cfg = parse_config({**small_config_module, **OVERRIDES, "tie_word_embeddings": True, "mtp_num_hidden_layers": 0})
+    model = _perturbed(FlashNextForCausalLM(cfg.text))
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert "lm_head.weight" not in headers(tmp_path / "bf16")
+    quantize_int(tmp_path / "bf16", tmp_path / "int8", SCHEMES["int8"])
+    assert {"lm_head.qweight", "model.embed_tokens.weight"} <= set(headers(tmp_path / "int8"))
+    loaded = flashnext.from_pretrained(tmp_path / "int8", dtype=torch.float32)
+    direct = quantize_model(flashnext.from_pretrained(tmp_path / "bf16", dtype=torch.float32), SCHEMES["int8"])
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids()).logits, direct(_ids()).logits)

@@ -198,13 +198,18 @@ class IntLoad:
     skip_disk: frozenset = frozenset()  # the disk keys it reads
 
 
-def use_int_modules(model: nn.Module, path: str | Path, scheme: IntScheme, style: str, dtype: torch.dtype) -> IntLoad:
+def use_int_modules(
+    model: nn.Module, path: str | Path, scheme: IntScheme, style: str, dtype: torch.dtype, device="cpu"
+) -> IntLoad:
     """Check the checkpoint's headers against the modules `scheme` quantizes in `model` (on meta), then swap those
     for quantized modules on meta (see the module doc).
 
     Raises:
+        ConfigError: a `device` other than the CPU (torch's packed int8/int4 kernels are CPU kernels).
         CheckpointError: every problem, each naming its key (see the module doc).
     """
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"an int8/int4 checkpoint runs on the CPU (torch's packed CPU kernels); asked for {device}")
     from flashnext.model.fused import Group
     from flashnext.model.moe import Router
     from flashnext.quant.int_experts import QuantExperts

@@ -65,6 +65,7 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
     if model.mtp is not None and not any(k.startswith("mtp.") for k in infos):
         model.mtp = None  # as `from_pretrained` loads it: no head to quantize
     targets: dict[str, str] = {}  # float weight key -> scheme
+    tied: dict[str, str] = {}  # the embedding's key -> lm_head's scheme (tied: quantized as lm_head too)
     modules: dict[str, list[str]] = {"int8": [], "int4": []}
     problems: list[str] = []
     for name, kind in int_modules(model, scheme.trunk, scheme.experts).items():
@@ -83,6 +84,10 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
             mats = [(disk, *mod.weight.shape)]
         for m, N, K in mats:
             info = infos.get(m + ".weight")
+            if info is None and m == "lm_head" and (embed := _tied_embedding(cfg, infos)):
+                tied[embed] = which  # a tied checkpoint stores no lm_head: its codes come from the embedding's bytes
+                modules[which].append(disk)
+                continue
             if info is None:
                 problems.append(f"missing: {m}.weight [{N}, {K}] (the {which} scheme quantizes {disk})")
             elif info["dtype"] not in _SOURCE_DTYPES or tuple(info["shape"]) != (N, K):
@@ -96,16 +101,25 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
     qcfg = int_quantization_config(scheme.trunk, scheme.experts, scheme.group, modules)
 
     def entries_of(file: Path, base: int, key: str, info: dict) -> list[Entry]:
-        return _entries(file, base, key, info, targets.get(key), scheme.group)
+        head = _entries(file, base, key, info, tied[key], scheme.group, "lm_head.weight") if key in tied else []
+        return _entries(file, base, key, info, targets.get(key), scheme.group) + head
 
     with writing(dst, overwrite) as tmp:
         write_checkpoint(src, tmp, files, weight_map, headers, entries_of, qcfg)
     return {"matrices": len(targets), "modules": {k: v for k, v in modules.items() if v}}
 
 
-def _entries(file: Path, base: int, key: str, info: dict, which: str | None, group: int) -> list[Entry]:
-    """A tensor copied byte for byte, or a float weight's codes + scales (+ zeros), quantised when its first entry
-    is written (the others are held until theirs, written right after)."""
+def _tied_embedding(cfg, infos: dict) -> str | None:
+    """The token embedding's key when the config ties `lm_head` to it (which `from_pretrained` then copies)."""
+    from flashnext.checkpoint.load import ties_embeddings
+
+    keys = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    return next((k for k in keys if k in infos), None) if ties_embeddings(cfg) else None
+
+
+def _entries(file: Path, base: int, key: str, info: dict, which: str | None, group: int, out: str | None = None):
+    """A tensor copied byte for byte, or a float weight's codes + scales (+ zeros) under `out` (default `key`),
+    quantised when its first entry is written (the others are held until theirs, written right after)."""
     from flashnext.quant.int_experts import quantize_int4
     from flashnext.quant.int_linear import compute_dtype, quantize_int8
 
@@ -117,7 +131,7 @@ def _entries(file: Path, base: int, key: str, info: dict, which: str | None, gro
     cdtype = compute_dtype(TORCH_DTYPES[info["dtype"]])
     sdtype = "F16" if cdtype == torch.float16 else "BF16"
     held: dict[str, torch.Tensor] = {}
-    pre = key.removesuffix(".weight")
+    pre = (out or key).removesuffix(".weight")
 
     def codes():
         raw = next(_raw_chunks(file, base + begin, base + end, max(end - begin, 1)), bytearray())
