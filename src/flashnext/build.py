@@ -16,6 +16,7 @@ from torch import nn
 
 from flashnext.checkpoint.files import checkpoint_files, read_headers
 from flashnext.checkpoint.fp8_weights import fp8_expert_layers
+from flashnext.checkpoint.int_weights import fill_int_modules, int_scheme, use_int_modules
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
@@ -111,17 +112,21 @@ def from_pretrained(
     model = _on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
-    if fp8_layers := fp8_expert_layers(path, cfg, style):  # the official FP8 checkpoint: experts stay FP8
+    int_q = int_scheme(cfg)  # an int8/int4 checkpoint (`checkpoint/int_weights.py`), else None
+    if int_q is None and (fp8_layers := fp8_expert_layers(path, cfg, style)):  # the official FP8 checkpoint
         use_fp8_experts(model, fp8_layers, dtype)
     if model.mtp is not None and not _stores_mtp(path):
         # The config declares an MTP head but the checkpoint has none (converters that drop `mtp.*` keep the
         # config): load the trunk without a draft head rather than refuse the checkpoint.
         log.warning("%s: config.json declares an MTP layer but no mtp.* weights are stored; loaded without it", path)
         model.mtp = None
+    if int_q is not None:  # its quantized modules built as such on meta (no float copy), filled after the rest
+        int_q = use_int_modules(model, path, int_q, style, dtype, device)
     _materialise(model, device)
     model.model_config = cfg
+    skip = {} if int_q is None else {"skip_ours": int_q.skip_ours, "skip_disk": int_q.skip_disk}
     try:
-        load_checkpoint(model, path, prefix_style=style)
+        load_checkpoint(model, path, prefix_style=style, **skip)
     except CheckpointError as e:
         if multimodal and e.problems and all(x.startswith("missing: model.visual.") for x in e.problems):
             raise CheckpointError(
@@ -131,6 +136,8 @@ def from_pretrained(
             ) from None
         raise
     fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
+    if int_q is not None:
+        fill_int_modules(model, path, int_q)
     return model.eval()
 
 

@@ -12,8 +12,10 @@ the scale dtype's size, that of the compute dtype, the dtype torch's weight-only
 - `fp8`: 1 B/param + one BF16 scale per 128 x 128 block (the official checkpoint's layout; routed experts only:
   gate and up are separate `[I, D]` matrices there, so each is blocked on its own);
 - `int8`: 1 B/param + one scale per output channel (`N * s`);
-- `int4`: 0.5 B/param + a scale and a zero per group of 128 inputs (`N * ceil(K / 128) * 2 * s`); routed experts
-  only (the dense trunk's int4 is not offered: `int8` is its weight-only scheme).
+- `int4`: 0.5 B/param + a scale and a zero per group of 128 inputs (`N * ceil(K / 128) * 2 * s`; an int4
+  checkpoint's own group size when it has one); routed experts only (`int8` is the dense trunk's weight-only scheme).
+An int8 / int4 checkpoint (`quantize --weights int8|int4`, `checkpoint/int_weights.py`) is planned as it stores
+its parts (its `quantization_config`: trunk, experts, group size) unless `--weights` / `--trunk` / `--experts` say.
 Norms, biases, convs, gates' vectors, embeddings and the vision tower stay in the compute dtype. `--weights int4`
 means int4 experts over an int8 trunk; `--weights fp8` FP8 experts over a trunk in the compute dtype. The MTP
 head's experts take the experts' scheme (in the official FP8 checkpoint they are FP8 too: its 114.86 GiB of
@@ -53,7 +55,7 @@ PARTS = (
 # ---- bytes of a weight under a scheme -----------------------------------------------------------------------
 
 
-def matrix_bytes(n: int, k: int, scheme: str, scale_bytes: int) -> int:
+def matrix_bytes(n: int, k: int, scheme: str, scale_bytes: int, group: int = INT4_GROUP) -> int:
     """Bytes of one `[n, k]` linear weight stored under `scheme` (see the module docstring)."""
     if scheme in DTYPE_BYTES:
         return n * k * DTYPE_BYTES[scheme]
@@ -62,18 +64,19 @@ def matrix_bytes(n: int, k: int, scheme: str, scale_bytes: int) -> int:
     if scheme == "int8":
         return n * k + n * scale_bytes
     if scheme == "int4":
-        return math.ceil(n * k / 2) + n * math.ceil(k / INT4_GROUP) * 2 * scale_bytes
+        return math.ceil(n * k / 2) + n * math.ceil(k / group) * 2 * scale_bytes
     raise ConfigError(f"weight scheme {scheme!r}: expected one of {SCHEMES}")
 
 
-def param_bytes(p: Param, scheme: str, compute: str) -> int:
-    """Bytes of parameter `p` when its kind's scheme is `scheme` (plain tensors: the compute dtype)."""
+def param_bytes(p: Param, scheme: str, compute: str, group: int = INT4_GROUP) -> int:
+    """Bytes of parameter `p` when its kind's scheme is `scheme` (plain tensors: the compute dtype; int4 groups of
+    `group` inputs)."""
     scale = DTYPE_BYTES[compute]
     if p.kind == MATRIX:
         return matrix_bytes(*p.shape, scheme, scale)
     if p.kind == EXPERTS:
         E, N, K = p.shape
-        return E * p.splits * matrix_bytes(N // p.splits, K, scheme, scale)
+        return E * p.splits * matrix_bytes(N // p.splits, K, scheme, scale, group)
     return p.numel * DTYPE_BYTES[compute]
 
 
@@ -97,7 +100,7 @@ class PlanOptions:
     device: str = "cpu"
     mtp: bool = True  # count the MTP head (weights, fused copies, state) when the config declares one
 
-    def schemes(self, stored_experts: str | None) -> tuple[str, str]:
+    def schemes(self, stored_experts: str | None, stored_trunk: str | None = None) -> tuple[str, str]:
         """(trunk scheme, routed-experts scheme); `ConfigError` naming a scheme a part cannot take."""
         weights = self.weights
         for flag, value in (("--weights", weights), ("--experts", self.experts), ("--trunk", self.trunk)):
@@ -106,7 +109,7 @@ class PlanOptions:
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {tuple(DTYPE_BYTES)}")
         if weights is None:
-            trunk, experts = self.dtype, stored_experts or self.dtype
+            trunk, experts = stored_trunk or self.dtype, stored_experts or self.dtype
         elif weights in DTYPE_BYTES:
             trunk = experts = weights
         else:  # fp8: the official layout (experts only); int4: experts, over an int8 trunk
@@ -124,7 +127,9 @@ class StoredAs:
     """What a checkpoint's files say about its storage (from `config.json` and safetensors headers only)."""
 
     table_dtype: str | None = None  # "fp8", "bf16", "fp32" (None: no checkpoint files or no table in them)
-    experts: str | None = None  # "fp8" for the official FP8 checkpoint, else None
+    experts: str | None = None  # "fp8" for the official FP8 checkpoint, "int8" / "int4" for an int one, else None
+    trunk: str | None = None  # "int8" for an int checkpoint with an int8 trunk, else None
+    int4_group: int = INT4_GROUP  # an int4 checkpoint's group size
     headers_read: bool = False
 
 
@@ -138,6 +143,10 @@ def stored_as(path: str | Path | None, raw_config: dict) -> StoredAs:
     fp8 = quant.get("quant_method") == "fp8"
     named = raw_config.get("dtype", raw_config.get("torch_dtype"))
     out = StoredAs(experts="fp8" if fp8 else None)
+    if quant.get("quant_method") == "flashnext_int":  # `checkpoint/int_weights.py`: the scheme per part
+        out.experts = quant.get("experts") if quant.get("experts") in ("int8", "int4") else None
+        out.trunk = "int8" if quant.get("trunk") == "int8" else None
+        out.int4_group = quant.get("group_size", INT4_GROUP)
     if fp8 and any("ngram_embedding" in m for m in quant.get("modules_to_convert", [])):
         out.table_dtype = "fp8"
     elif named in ("bfloat16", "float32"):
@@ -210,14 +219,14 @@ class Plan:
 
 def weight_rows(cfg: ModelConfig, opts: PlanOptions, stored: StoredAs) -> list[Row]:
     """The parameter parts of `cfg` under `opts`: bytes per part, schemes in the notes."""
-    trunk, experts = opts.schemes(stored.experts)
+    trunk, experts = opts.schemes(stored.experts, stored.trunk)
     sums: dict[str, int] = {}
     where: dict[str, str] = {}
     for p in parameters(cfg, opts.mtp):
         if p.kind == TABLE:
             b, where[p.part] = table_bytes(p, opts.ngram_storage, stored, opts)
         elif p.kind == EXPERTS:
-            b = param_bytes(p, experts, opts.dtype)
+            b = param_bytes(p, experts, opts.dtype, stored.int4_group)
         else:
             b = param_bytes(p, trunk, opts.dtype)
         sums[p.part] = sums.get(p.part, 0) + b
@@ -292,7 +301,7 @@ def workspace_bytes(text: TextConfig, opts: PlanOptions) -> int:
 def make_plan(cfg: ModelConfig, opts: PlanOptions, stored: StoredAs | None = None) -> Plan:
     """The serving plan of `cfg` under `opts` (no serving rows when `opts.max_slots` is 0)."""
     stored = stored or StoredAs()
-    trunk, _ = opts.schemes(stored.experts)
+    trunk, _ = opts.schemes(stored.experts, stored.trunk)
     plan = Plan(weight_rows(cfg, opts, stored), device=opts.device)
     if opts.max_slots:
         fused = fused_copy_bytes(cfg, opts, trunk)

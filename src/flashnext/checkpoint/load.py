@@ -201,7 +201,14 @@ def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
 
 
 @torch.no_grad()
-def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: str = "auto") -> None:
+def load_checkpoint(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    prefix_style: str = "auto",
+    skip_ours: frozenset[str] = frozenset(),
+    skip_disk: frozenset[str] = frozenset(),
+) -> None:
     """Copy an official-layout checkpoint into `model`'s allocated parameters, one tensor at a time.
 
     Args:
@@ -213,6 +220,8 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
             `"multimodal"` (a composite checkpoint into `FlashNextForConditionalGeneration`: identical names), or
             `"auto"` (multimodal for the composite model, else composite when any key is under
             `model.language_model.`, else text).
+        skip_ours, skip_disk: our tensor names and the on-disk keys another loader fills / reads (the quantized
+            modules of an int checkpoint, `checkpoint/int_weights.py`): neither expected nor unexpected here.
 
     Sets `model.extra_tensors` (see module doc) and `model.checkpoint_style` (the layout that was read).
 
@@ -233,9 +242,10 @@ def load_checkpoint(model: torch.nn.Module, path: str | Path, *, prefix_style: s
             "instead of its base model"
         )
     ours, buffers = _model_tensors(model)
+    ours = {k: v for k, v in ours.items() if k not in skip_ours}
     style = (layout.model_style(ours) or layout.detect_style(headers)) if prefix_style == "auto" else prefix_style
     cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
-    match = _Matcher(ours, buffers, style, ties_embeddings(cfg), external_keys(model))
+    match = _Matcher(ours, buffers, style, ties_embeddings(cfg), set(external_keys(model)) | set(skip_disk))
     for key, (_, shape, dtype) in headers.items():
         match.add(key, shape, dtype)
     match.finish(headers, lost)

@@ -131,6 +131,23 @@ def _write(src: Path, dst: Path, files, weight_map, headers, experts, tables, sc
     """Every file of `src` into the new directory `dst`, quantised (see the module doc)."""
     shard_scale = {key: scales[pre] for pre, shards in tables.items() for _, key in shards}
     scale_file = {pre: shards[0][0] for pre, shards in tables.items()}
+
+    def entries_of(file: Path, base: int, key: str, info: dict) -> list[Entry]:
+        return _entries(file, base, key, info, key in experts, shard_scale.get(key))
+
+    def appended(file: Path) -> list[Entry]:
+        pres = [pre for pre, f in scale_file.items() if f == file]
+        values = [(pre, torch.tensor([scales[pre]], dtype=torch.bfloat16)) for pre in pres]
+        return [Entry(scale_key(pre), "BF16", (1,), lambda v=v: [v]) for pre, v in values]
+
+    write_checkpoint(src, dst, files, weight_map, headers, entries_of, qcfg, appended)
+
+
+def write_checkpoint(src: Path, dst: Path, files, weight_map, headers, entries_of, qcfg: dict, appended=None) -> None:
+    """The streamed copy every `quantize --weights` scheme shares: each file of `src` into `dst` (a new directory)
+    with the same name, its tensors in stored order, each replaced by `entries_of(file, base, key, header entry)`
+    (a list of `Entry`), then `appended(file)`; a new index when `src` has one; `config.json` with
+    `quantization_config = qcfg`; every other file (tokenizer) copied."""
     new_map: dict[str, str] = {}
     total = 0
     for file in files:
@@ -138,11 +155,8 @@ def _write(src: Path, dst: Path, files, weight_map, headers, experts, tables, sc
         keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
         entries: list[Entry] = []
         for key in keys:
-            entries += _entries(file, base, key, header[key], key in experts, shard_scale.get(key))
-        for pre, f in scale_file.items():
-            if f == file:
-                value = torch.tensor([scales[pre]], dtype=torch.bfloat16)
-                entries.append(Entry(scale_key(pre), "BF16", (1,), lambda v=value: [v]))
+            entries += entries_of(file, base, key, header[key])
+        entries += appended(file) if appended is not None else []
         total += write_safetensors(dst / file.name, entries, header.get("__metadata__"))
         new_map.update({e.key: file.name for e in entries})
     if weight_map is not None:

@@ -96,9 +96,15 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     Call it on a loaded model before `prepare_for_inference` / building an `Engine`. CPU only.
 
     Raises:
-        ConfigError: a model not on the CPU, or an int4 group size that does not fit the experts.
+        ConfigError: a model not on the CPU, an int4 group size that does not fit the experts, or (a model loaded
+            from an int8/int4 checkpoint, which stays as stored) a scheme other than the stored one.
     """
     if not scheme.enabled:
+        return model
+    if (stored := getattr(model, "stored_quant", None)) is not None:  # loaded from an int8/int4 checkpoint
+        from flashnext.checkpoint.int_weights import check_scheme_matches
+
+        check_scheme_matches(stored, scheme)
         return model
     device = next(model.parameters()).device
     if device.type != "cpu":

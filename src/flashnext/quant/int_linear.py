@@ -171,6 +171,23 @@ class Int8Group(Group):
             row += n
         return cls(members, q, s, bias), members
 
+    @classmethod
+    def from_members(cls, members: list[Int8Linear]) -> Int8Group:
+        """Join int8 members (loaded from an int8 checkpoint) into one group: their rows concatenated once, each
+        member's tensors then row views of the group's (as `from_group` leaves them)."""
+        q, s = torch.cat([m.qweight for m in members]), torch.cat([m.scale for m in members])
+        bias = None
+        if any(m.bias is not None for m in members):
+            like = next(m.bias for m in members if m.bias is not None)
+            bias = torch.cat([m.bias if m.bias is not None else like.new_zeros(m.out_features) for m in members])
+        row = 0
+        for m in members:
+            n = m.out_features
+            m.qweight, m.scale = q[row : row + n], s[row : row + n]
+            m.bias = None if m.bias is None else bias[row : row + n]
+            row += n
+        return cls(members, q, s, bias)
+
     def __call__(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
         return torch.split(int8_linear(x, self.qweight, self.scale, self.bias), self.sizes, dim=-1)
 
