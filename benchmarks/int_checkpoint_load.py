@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from quantized import config
 
     from flashnext.build import build_model
+    from flashnext.checkpoint import save_pretrained
     from flashnext.checkpoint.quantize_int import quantize_int
     from flashnext.config import parse_config
     from flashnext.quant.apply import QuantScheme
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             root = Path(tmp) / name
-            build_model(parse_config(config(name)), seed=0, dtype=torch.bfloat16).save_pretrained(root / "bf16")
+            save_pretrained(build_model(parse_config(config(name)), seed=0, dtype=torch.bfloat16), root / "bf16")
             for weights in ("int8", "int4"):
                 quantize_int(root / "bf16", root / weights, QuantScheme.from_flags(weights))
                 got = {}

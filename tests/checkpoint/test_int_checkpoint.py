@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import flashnext
+from flashnext.checkpoint import save_pretrained
 from flashnext.checkpoint.int_weights import pack_nibbles, unpack_nibbles
 from flashnext.checkpoint.quantize_int import quantize_int
 from flashnext.cli import main as cli_main
@@ -56,7 +57,7 @@ def ckpts(tmp_path_factory, small_config_module):
     """{"bf16": the float source (two files + index), "int8": its int8 copy, "int4": int4 experts g32 + int8 trunk}."""
     root = tmp_path_factory.mktemp("int")
     model = _perturbed(FlashNextForCausalLM(parse_config({**small_config_module, **OVERRIDES}).text))
-    model.to(torch.bfloat16).save_pretrained(root / "bf16", max_shard_bytes=400_000)
+    save_pretrained(model.to(torch.bfloat16), root / "bf16", max_shard_bytes=400_000)
     (root / "bf16" / "tokenizer_config.json").write_text("{}\n")
     out = {"bf16": root / "bf16"}
     for name, scheme in SCHEMES.items():
@@ -281,7 +282,7 @@ def test_composite_checkpoint_loads_bitwise_as_quantize_model(tmp_path, small_co
     text = {**small_config_module, **OVERRIDES, "mtp_num_hidden_layers": 0}
     vision = dict(TINY_VISION, out_hidden_size=64)
     cfg = parse_config(dict(model_type="qwen4_exp", text_config=text, vision_config=vision))
-    _perturbed(FlashNextForConditionalGeneration(cfg)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    save_pretrained(_perturbed(FlashNextForConditionalGeneration(cfg)).to(torch.bfloat16), tmp_path / "bf16")
     quantize_int(tmp_path / "bf16", tmp_path / "int4", SCHEMES["int4"])
     loaded = flashnext.from_pretrained(tmp_path / "int4", dtype=torch.float32)
     direct = quantize_model(flashnext.from_pretrained(tmp_path / "bf16", dtype=torch.float32), SCHEMES["int4"])
@@ -313,7 +314,7 @@ def test_a_tied_checkpoint_stores_lm_head_codes_from_the_embedding(tmp_path, sma
     model = _perturbed(FlashNextForCausalLM(cfg.text))
     with torch.no_grad():
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    save_pretrained(model.to(torch.bfloat16), tmp_path / "bf16")
     assert "lm_head.weight" not in headers(tmp_path / "bf16")
     quantize_int(tmp_path / "bf16", tmp_path / "int8", SCHEMES["int8"])
     assert {"lm_head.qweight", "model.embed_tokens.weight"} <= set(headers(tmp_path / "int8"))
