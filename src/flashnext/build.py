@@ -125,20 +125,25 @@ def from_pretrained(
     _materialise(model, device)
     model.model_config = cfg
     skip = {} if int_q is None else {"skip_ours": int_q.skip_ours, "skip_disk": int_q.skip_disk}
+    _load_weights(model, path, style, skip)
+    fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
+    if int_q is not None:
+        fill_int_modules(model, path, int_q)
+    return model.eval()
+
+
+def _load_weights(model: torch.nn.Module, path: str | Path, style: str, skip: dict) -> None:
+    """`load_checkpoint`, saying what a composite checkpoint without its vision tower should declare."""
     try:
         load_checkpoint(model, path, prefix_style=style, **skip)
     except CheckpointError as e:
-        if multimodal and e.problems and all(x.startswith("missing: model.visual.") for x in e.problems):
+        if style == "multimodal" and e.problems and all(x.startswith("missing: model.visual.") for x in e.problems):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} has no vision tower weights but its config.json has a vision_config; "
                 "a text-only composite checkpoint sets `language_model_only: true`",
                 e.problems,
             ) from None
         raise
-    fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
-    if int_q is not None:
-        fill_int_modules(model, path, int_q)
-    return model.eval()
 
 
 def _stores_mtp(path: str | Path) -> bool:

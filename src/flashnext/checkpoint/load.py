@@ -234,13 +234,7 @@ def load_checkpoint(
         raise CheckpointError(f"prefix_style={prefix_style!r}: expected one of {PREFIX_STYLES}")
     files, weight_map = checkpoint_files(path)
     headers, problems, lost = read_headers(files, weight_map)
-    if base := layout.base_model_class(headers):
-        raise CheckpointError(
-            f"cannot load checkpoint {str(path)!r}: it is a base-model checkpoint ({base}.save_pretrained: keys "
-            f"like {min(headers)!r}, no 'model.' prefix) without lm_head.weight, so it cannot give logits; "
-            "save the causal LM that owns the head (Qwen4ExpForCausalLM / Qwen4ExpForConditionalGeneration) "
-            "instead of its base model"
-        )
+    _refuse_base_model(path, headers)
     ours, buffers = _model_tensors(model)
     ours = {k: v for k, v in ours.items() if k not in skip_ours}
     style = (layout.model_style(ours) or layout.detect_style(headers)) if prefix_style == "auto" else prefix_style
@@ -266,6 +260,16 @@ def load_checkpoint(
     finally:
         reader.close()
     model.checkpoint_style = style
+
+
+def _refuse_base_model(path: str | Path, headers: dict) -> None:
+    if base := layout.base_model_class(headers):
+        raise CheckpointError(
+            f"cannot load checkpoint {str(path)!r}: it is a base-model checkpoint ({base}.save_pretrained: keys "
+            f"like {min(headers)!r}, no 'model.' prefix) without lm_head.weight, so it cannot give logits; "
+            "save the causal LM that owns the head (Qwen4ExpForCausalLM / Qwen4ExpForConditionalGeneration) "
+            "instead of its base model"
+        )
 
 
 def _check_derived(reader: StreamReader, headers: dict, derived: list[tuple[str, str]], buffers: dict) -> list[str]:

@@ -49,7 +49,6 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
         ConfigError: an int4 group that does not fit the experts.
     """
     from flashnext.build import _on_meta
-    from flashnext.quant.int_experts import check_group
 
     if not scheme.enabled:
         raise CheckpointError("quantize: nothing to quantize (--weights int8|int4, or --trunk int8 / --experts ...)")
@@ -64,6 +63,25 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
     model = _on_meta(cfg, torch.float32)
     if model.mtp is not None and not any(k.startswith("mtp.") for k in infos):
         model.mtp = None  # as `from_pretrained` loads it: no head to quantize
+    targets, tied, modules, problems = _plan(model, cfg, scheme, style, infos)
+    if problems:
+        raise CheckpointError(f"cannot quantize {str(src)!r} to {scheme} ({len(problems)} problem(s))", problems)
+    qcfg = int_quantization_config(scheme.trunk, scheme.experts, scheme.group, modules)
+
+    def entries_of(file: Path, base: int, key: str, info: dict) -> list[Entry]:
+        head = _entries(file, base, key, info, tied[key], scheme.group, "lm_head.weight") if key in tied else []
+        return _entries(file, base, key, info, targets.get(key), scheme.group) + head
+
+    with writing(dst, overwrite) as tmp:
+        write_checkpoint(src, tmp, files, weight_map, headers, entries_of, qcfg)
+    return {"matrices": len(targets), "modules": {k: v for k, v in modules.items() if v}}
+
+
+def _plan(model, cfg, scheme, style: str, infos: dict):
+    """What to quantize: (float weight key -> scheme, a tied embedding's key -> lm_head's scheme, the on-disk
+    module names per scheme, the problems found)."""
+    from flashnext.quant.int_experts import check_group
+
     targets: dict[str, str] = {}  # float weight key -> scheme
     tied: dict[str, str] = {}  # the embedding's key -> lm_head's scheme (tied: quantized as lm_head too)
     modules: dict[str, list[str]] = {"int8": [], "int4": []}
@@ -96,17 +114,7 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
             else:
                 targets[m + ".weight"] = which
         modules[which].append(disk)
-    if problems:
-        raise CheckpointError(f"cannot quantize {str(src)!r} to {scheme} ({len(problems)} problem(s))", problems)
-    qcfg = int_quantization_config(scheme.trunk, scheme.experts, scheme.group, modules)
-
-    def entries_of(file: Path, base: int, key: str, info: dict) -> list[Entry]:
-        head = _entries(file, base, key, info, tied[key], scheme.group, "lm_head.weight") if key in tied else []
-        return _entries(file, base, key, info, targets.get(key), scheme.group) + head
-
-    with writing(dst, overwrite) as tmp:
-        write_checkpoint(src, tmp, files, weight_map, headers, entries_of, qcfg)
-    return {"matrices": len(targets), "modules": {k: v for k, v in modules.items() if v}}
+    return targets, tied, modules, problems
 
 
 def _tied_embedding(cfg, infos: dict) -> str | None:
