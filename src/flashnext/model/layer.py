@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
 
         `state` (serving): the layer's cached state by part name (`state_spec`); its parts continue their slots'
         sequences, and its step (`model.state.Step`) tells the parts which path to take: the prepared fast paths
-        (`model.fused`) in serving, the static decode graph's shapes in `MoE`.
+        (`model.fused`) in serving, the static decode graph's shapes in `SparseMoE`.
         `cp` (context parallelism): this rank's slice of a stream shared with its group (`model.context`).
         """
         step = step_of(state)
