@@ -13,6 +13,7 @@ from torch import nn
 
 from flashnext.model import fused
 from flashnext.model.moe import Experts, Router, SparseMoE
+from flashnext.model.state import DECODE, Step
 
 
 def _linears(bias: bool) -> tuple[nn.Module, ...]:
@@ -146,7 +147,7 @@ def test_moe_serving_path_equals_training_path(T):
     fused.prepare(moe)
     x = torch.randn(T, 8, dtype=torch.float64)
     with torch.no_grad():
-        out, experts = moe(x, fused=True)
+        out, experts = moe(x, step=Step(DECODE))
     ref, ref_experts = moe(x.clone().requires_grad_())
     # The expert choice is discrete, from router logits that the two paths compute with different GEMMs (one
     # concatenated with the shared expert's, or alone) and the router ranks as fp32 probabilities: rounding can

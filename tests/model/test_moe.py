@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from flashnext.config import TextConfig
 from flashnext.model.moe import Experts, SparseMoE
+from flashnext.model.state import DECODE, Step
 
 
 def _cfg(E=6, k=2):
@@ -75,7 +76,7 @@ def test_static_step_path_matches_loop(T):
     x = torch.randn(T, 8, dtype=torch.float64)
     w, e = moe.gate(x)
     ref = _loop_reference(moe.experts, x, e, w)
-    torch.testing.assert_close(moe.experts(x, e, w, fused=True, static=True), ref)
+    torch.testing.assert_close(moe.experts(x, e, w, Step(DECODE, static=True)), ref)
     torch.testing.assert_close(moe.experts._reduced(x, e.flatten(), w), ref)  # the compiled fp32 form, run eagerly
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashnext.model.quant_experts_fp8 import Fp8Experts, reference_experts, use_fp8_experts
+from flashnext.model.state import DECODE, TRAIN_STEP, Step
 from flashnext.ops.fp8_blocks import FP8_DTYPE, dequantize_blocks, quantize_blocks
 
 E, D, I = 8, 256, 192  # I = 192: gate/up grids [2, 2] with a partial last block row; down [2, 2]
@@ -53,7 +54,8 @@ def test_fp8_experts_match_the_dequantised_twin(dtype, tokens, k, static):
     experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=gen).to(dtype)
     with torch.no_grad():
-        ours, want = fp8(x, experts, weights, static=static), ref(x, experts, weights, static=static)
+        step = Step(DECODE, static=True) if static else TRAIN_STEP
+        ours, want = fp8(x, experts, weights, step), ref(x, experts, weights, step)
     assert ours.dtype == dtype
     # Same dequantised weights (bitwise: one function), but the twin runs all E experts through other GEMM shapes
     # (grouped over E, or every expert when static), so sums may round differently: fp32 / bf16 rounding.

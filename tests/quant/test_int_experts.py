@@ -13,6 +13,7 @@ import torch
 
 from flashnext.errors import ConfigError
 from flashnext.model.moe import Experts
+from flashnext.model.state import DECODE, Step
 from flashnext.quant.int_experts import QuantExperts, dequantize_int4, experts_ref, pack_int4, quantize_int4
 
 
@@ -59,7 +60,7 @@ def test_quant_experts_match_reference(scheme, path):
     q = QuantExperts.from_float(float_experts, name, int(g or 64))
     T = 3 if path == "gathered" else 10
     x, experts, weights = _routing(T, 8, 1 if path == "gathered" else 2)
-    got = q(x, experts, weights, fused=True, static=path == "dense")
+    got = q(x, experts, weights, Step(DECODE, static=path == "dense"))
     _close(got, experts_ref(q, x, experts, weights))
     # Near the float experts: a weight's rounding error is up to half a step, 1/254 (int8) or 1/30 (int4) of its
     # row's (group's) range; over a dot product of Gaussian weights that is ~0.5% (int8) / ~12% (int4) of the output.
@@ -94,5 +95,5 @@ def test_int8_experts_narrower_than_the_packed_kernel(path):
     q = QuantExperts.from_float(float_experts, "int8", 64)
     T = 3 if path == "gathered" else 10
     x, experts, weights = _routing(T, 8, 1 if path == "gathered" else 2)
-    got = q(x, experts, weights, fused=True, static=path == "dense")
+    got = q(x, experts, weights, Step(DECODE, static=path == "dense"))
     _close(got, experts_ref(q, x, experts, weights))

@@ -340,6 +340,29 @@ def test_metrics_report_acceptance(model):
     assert "flashnext_spec_request_mean_accepted_length_count 4" in text
 
 
+def test_steps_scoring_drafts_are_verify_steps(model, monkeypatch):
+    """The engine names a step scoring drafts `VERIFY` (the layers see what the step is); a run without drafts
+    has prefill and decode steps only."""
+    from flashnext.model.state import DECODE, PREFILL, VERIFY
+
+    kinds = []
+    inner = model.forward_step
+
+    def recording(ids, step, *args, **kwargs):
+        kinds.append(step.kind)
+        return inner(ids, step, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_step", recording)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    _engine(model, 0).generate(PROMPTS[:3], params)
+    assert set(kinds) == {PREFILL, DECODE}
+    kinds.clear()
+    engine = _engine(model, 3)
+    KnownDrafts(engine, {}, p_wrong=0.0)
+    engine.generate(PROMPTS[:3], params)
+    assert VERIFY in kinds and engine.stats.spec_drafted > 0
+
+
 # ---- the low-acceptance warning -------------------------------------------------------------------------------
 def _low_acceptance_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "draft tokens were accepted" in r.getMessage()]

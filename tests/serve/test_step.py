@@ -243,3 +243,52 @@ def test_rollback_without_restore_diverges(model):
     got = run_step(model, seen, [(0, 13, more)])[0]
     want = run_step(model, fresh, [(0, 13, more)])[0]
     assert (got - want).abs().max() > 1e-3
+
+
+def test_step_kinds():
+    """A step says what it is: make_step a decode step when every entry has one token, a prefill step otherwise, or
+    the kind asked (verify); the static decode step is a decode step; a training forward takes the plain path."""
+    from flashnext.model.state import DECODE, PREFILL, TRAIN, TRAIN_STEP, VERIFY, make_decode_step, make_step, step_of
+
+    assert make_step([0, 1, 2], [0, 1], [3, 4], scratch_slot=2).kind == DECODE
+    prefill = make_step([0, 1, 4], [0, 1], [3, 4], scratch_slot=2)
+    assert (prefill.kind, prefill.fused, prefill.static) == (PREFILL, True, False)
+    assert make_step([0, 1, 4], [0, 1], [3, 4], scratch_slot=2, kind=VERIFY).kind == VERIFY
+    static = make_decode_step(torch.tensor([0, 2]), torch.tensor([3, 0]), scratch_slot=2)
+    assert (static.kind, static.fused, static.static) == (DECODE, True, True)
+    assert (TRAIN_STEP.kind, TRAIN_STEP.fused, TRAIN_STEP.static) == (TRAIN, False, False)
+    assert step_of(None) is TRAIN_STEP
+    with pytest.raises(ValueError, match="'train'"):
+        make_step([0, 1], [0], [0], scratch_slot=1, kind=TRAIN)
+
+
+def _rotary(positions, dtype):
+    """A stand-in rotary: cos = the position, sin = minus it (enough to see where each block is rotated)."""
+    p = positions.to(dtype)[:, None]
+    return p, -p
+
+
+def test_plan_blocks_returns_the_plan_and_leaves_the_step():
+    """plan_blocks returns the QSA blocks the live entries complete, rotated at their first positions, and the most
+    complete blocks a query sees; it writes nothing into the step (the model stores the plan as `step.blocks`)."""
+    from flashnext.model.state import make_step, plan_blocks
+
+    # c = 4: slot 0 (2 cached + 7) completes blocks 0 and 1; slot 1 (5 + 2) none; the padding entry (scratch slot
+    # 3, 4 tokens) is not live, but its queries count toward the most visible blocks.
+    step = make_step([0, 7, 9, 13], [0, 1, 3], [2, 5, 0], scratch_slot=3)
+    plan = plan_blocks(step, 4, _rotary, torch.float32)
+    assert step.blocks is None
+    assert plan.slot.tolist() == [0, 0] and plan.block.tolist() == [0, 1]
+    assert plan.cos[:, 0].tolist() == [0.0, 4.0] and plan.sin[:, 0].tolist() == [-0.0, -4.0]
+    assert plan.done is None and plan.most == 2
+
+
+def test_static_plan_is_one_candidate_block_per_entry():
+    """A static step plans each entry's last block its token can complete, `done` where it does (padding: never)."""
+    from flashnext.model.state import make_decode_step, plan_blocks
+
+    step = make_decode_step(torch.tensor([0, 1, 2]), torch.tensor([3, 5, 7]), scratch_slot=2)
+    plan = plan_blocks(step, 4, _rotary, torch.float32)
+    assert step.blocks is None
+    assert plan.slot.tolist() == [0, 1, 2] and plan.block.tolist() == [0, 0, 1]
+    assert plan.cos[:, 0].tolist() == [0.0, 0.0, 4.0] and plan.done.tolist() == [True, False, False]

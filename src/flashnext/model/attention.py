@@ -21,7 +21,7 @@ from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
-from flashnext.model.state import POSITIONAL, QSAState, StateSpec, StepState
+from flashnext.model.state import POSITIONAL, QSAState, StateSpec, StepState, step_of
 from flashnext.ops import qsa, qsa_cached
 
 
@@ -111,14 +111,14 @@ class QSAIndexer(nn.Module):
         S, Lc, Di = cache.raw_k.shape
         flat = step.tok_slot * Lc + seg.position_ids
         cache.raw_k.view(-1, Di).index_copy_(0, flat, raw_k.to(cache.raw_k.dtype))
-        blk_slot, blk_idx, blk_cos, blk_sin = step.new_blocks
-        if blk_idx.numel():
-            raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[blk_slot, blk_idx]
-            keys = self.block_keys(raw_blocks.to(raw_k.dtype), blk_cos, blk_sin).to(cache.block_k.dtype)
-            if step.block_done is not None:  # static step: one candidate per entry, rewritten unless it completed
-                keys = torch.where(step.block_done[:, None], keys, cache.block_k[blk_slot, blk_idx])
-            cache.block_k[blk_slot, blk_idx] = keys
-        most = cache.block_k.shape[1] if step.static else step.max_visible_blocks
+        plan = step.blocks
+        if plan.block.numel():
+            raw_blocks = cache.raw_k.view(S, Lc // self.ratio, self.ratio, Di)[plan.slot, plan.block]
+            keys = self.block_keys(raw_blocks.to(raw_k.dtype), plan.cos, plan.sin).to(cache.block_k.dtype)
+            if plan.done is not None:  # static step: one candidate per entry, rewritten unless it completed
+                keys = torch.where(plan.done[:, None], keys, cache.block_k[plan.slot, plan.block])
+            cache.block_k[plan.slot, plan.block] = keys
+        most = cache.block_k.shape[1] if step.static else plan.most
         one = step.slot_run[0] if step.slot_run is not None and step.slot_run[1] == 1 else None  # one sequence
         return qsa_cached.select_blocks_cached(
             q, cache.block_k, step.tok_slot, seg.position_ids, most, self.ratio, self.block_topk, one
@@ -165,15 +165,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         seg: Segments,
         state: StepState[QSAState] | None = None,
         cp: ContextShard | None = None,
     ) -> torch.Tensor:
-        """x: [T, D] -> [T, D]. With `state` (serving), queries attend over their slots' cached keys/values; with
-        `cp` (context parallelism), over every rank's keys/values (`cp.gather`, gradient back to their owners)."""
-        fused = state is not None
+        """x: [T, D] -> [T, D], rotated by `rope` (cos, sin). With `state` (serving), queries attend over their
+        slots' cached keys/values; with `cp` (context parallelism), over every rank's keys/values (`cp.gather`,
+        gradient back to their owners)."""
+        cos, sin = rope
+        fused = step_of(state).fused
         if fused:  # the indexer's projection joins the fused GEMM
             qg, k, v, qk = self.in_proj(x, fused=True)
         else:

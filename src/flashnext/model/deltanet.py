@@ -17,7 +17,7 @@ from flashnext.config import TextConfig
 from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import GatedRMSNorm
-from flashnext.model.state import RECURRENT, WINDOW, GDNState, StateSpec, StepState
+from flashnext.model.state import RECURRENT, WINDOW, GDNState, StateSpec, StepState, step_of
 from flashnext.ops.conv import causal_conv1d_varlen
 from flashnext.ops.deltanet import gated_delta_rule, gated_delta_rule_affine
 
@@ -78,7 +78,7 @@ class GatedDeltaNet(nn.Module):
         """x: [T, D] -> [T, D]. With `state` (serving), each entry continues its slot's conv window and recurrent
         state, and the live entries' new ones are written back. With `cp` (context parallelism), the sequence that
         enters this rank's slice continues the previous ranks' conv rows and recurrent state (`_context_rule`)."""
-        fused = state is not None
+        fused = step_of(state).fused
         qkv, z, b, a = self.in_proj(x, fused)
         window = None if state is None else state.read(state.bufs.conv)
         if cp is not None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from flashnext.model.fused import Group, apply_linear
 from flashnext.model.norm import RMSNorm
+from flashnext.model.state import TRAIN_STEP, Step
 
 
 class GatedResidual(nn.Module):
@@ -27,10 +28,11 @@ class GatedResidual(nn.Module):
         self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
         self.down = Group(*(m for m in (self.input_mix_weight_down, self.block_inject_weight) if m is not None))
 
-    def forward(self, residual: torch.Tensor, fused: bool = False):
+    def forward(self, residual: torch.Tensor, step: Step = TRAIN_STEP):
         """residual: [T, hc*D] -> mixed input [T, D] (and injection weights [T, hc] when injecting).
 
-        `fused`: the serving fast paths of `model.fused` (prepared weights); the plain path otherwise."""
+        `step` (`model.state.Step`): a serving step takes the fast paths of `model.fused` (prepared weights)."""
+        fused = step.fused
         normed = self.hc_norm(residual)
         if self.block_inject_weight is None:
             (down,) = self.down(normed, fused)

@@ -13,7 +13,7 @@ from flashnext.model.deltanet import GatedDeltaNet
 from flashnext.model.hyper import GatedResidual, inject
 from flashnext.model.moe import SparseMoE
 from flashnext.model.ple import PLELayer
-from flashnext.model.state import StepState
+from flashnext.model.state import StepState, step_of
 
 
 class DecoderLayer(nn.Module):
@@ -59,19 +59,20 @@ class DecoderLayer(nn.Module):
         """residual: [T, hc*D] -> ([T, hc*D], routed experts [T, k]). `input_ids` [T] are read by PLE only.
 
         `state` (serving): the layer's cached state by part name (`state_spec`); its parts continue their slots'
-        sequences, and the projections take the prepared fast paths (`model.fused`).
+        sequences, and its step (`model.state.Step`) tells the parts which path to take: the prepared fast paths
+        (`model.fused`) in serving, the static decode graph's shapes in `SparseMoE`.
         `cp` (context parallelism): this rank's slice of a stream shared with its group (`model.context`).
         """
-        fused = state is not None
+        step = step_of(state)
         if self.ple is not None:
             residual = residual + self.ple(residual, input_ids, seg, None if state is None else state.part("ple"), cp)
-        x, w = self.attn_hyper_connection(residual, fused)
+        x, w = self.attn_hyper_connection(residual, step)
         mixer_state = None if state is None else state.part(self.mixer_name)
         if self.layer_type == LINEAR:
             x = self.linear_attn(x, seg, mixer_state, cp)
         else:
-            x = self.self_attn(x, *rope, seg, mixer_state, cp)
+            x = self.self_attn(x, rope, seg, mixer_state, cp)
         residual = inject(residual, x, w)
-        x, w = self.mlp_hyper_connection(residual, fused)
-        x, experts = self.mlp(x, replay, fused, static=fused and state.step.static)
+        x, w = self.mlp_hyper_connection(residual, step)
+        x, experts = self.mlp(x, replay, step)
         return inject(residual, x, w), experts

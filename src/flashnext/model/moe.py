@@ -2,7 +2,7 @@
 
 Serving's static decode step (`model.state.make_decode_step`) cannot read the grouped slab's capacity
 (`int(counts.max())`) on the host, so beyond the gather path it runs every expert on every token (`Experts._dense`;
-`_reduced` in fp32 inside a compiled CPU graph, see `Experts.forward`'s `static`): at decode sizes (16 tokens x
+`_reduced` in fp32 inside a compiled CPU graph, see `Experts.forward` on a static step): at decode sizes (16 tokens x
 top-4 of 16 experts, ~99% of experts hit) `_dense` streams the same weights as the grouped path, with up to E/k
 times its FLOPs, and measured the same time (2.2 vs 2.1 ms per layer at 1 thread).
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from flashnext.config import TextConfig
 from flashnext.model.fused import Group, apply_linear
+from flashnext.model.state import TRAIN_STEP, Step
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
 
@@ -62,14 +63,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: bool = False, static=False
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, step: Step = TRAIN_STEP
     ) -> torch.Tensor:
         """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D].
 
-        `fused`: serving GEMM layouts. `static` (a static serving step, `model.state.make_decode_step`): no shape
-        may depend on the routing, so more assignments than the gather path takes run every expert (`_dense`), or,
-        in fp32 inside a compiled graph on CPU, each assignment's expert read in place (`_reduced`).
+        `step` (`model.state.Step`): a serving step uses serving GEMM layouts (`step.fused`); on a static step
+        (`step.static`, `model.state.make_decode_step`) no shape may depend on the routing, so more assignments than
+        the gather path takes run every expert (`_dense`), or, in fp32 inside a compiled graph on CPU, each
+        assignment's expert read in place (`_reduced`).
         """
+        fused, static = step.fused, step.static
         T, k = experts.shape
         flat_e = experts.flatten()
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
@@ -180,18 +183,18 @@ class SparseMoE(nn.Module):
         shared = self.shared_expert
         self.router_shared = Group(self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, fused: bool = False, static=False):
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, step: Step = TRAIN_STEP):
         """x: [T, D] -> ([T, D], experts int64 [T, k]).
 
-        `fused` (serving): the router and the shared expert's projections as one prepared GEMM; `static`: a static
-        serving step (see `Experts.forward`)."""
+        `step` (`model.state.Step`): a serving step runs the router and the shared expert's projections as one
+        prepared GEMM, and the experts as `Experts.forward` says."""
         shared = self.shared_expert
-        if fused:
+        if step.fused:
             logits, gate, up, shared_gate = self.router_shared(x, fused=True)
             weights, experts = self.gate.route(logits, replay)
             shared_out = apply_linear(shared.down_proj, F.silu(gate) * up, fused=True)
         else:
             weights, experts = self.gate(x, replay)
             shared_gate, shared_out = self.shared_expert_gate(x), shared(x)
-        out = self.experts(x, experts, weights, fused, static)
+        out = self.experts(x, experts, weights, step)
         return out + torch.sigmoid(shared_gate) * shared_out, experts

@@ -41,7 +41,7 @@ from flashnext.model.fused import apply_linear
 from flashnext.model.hyper import GatedResidual
 from flashnext.model.layer import DecoderLayer
 from flashnext.model.norm import RMSNorm
-from flashnext.model.state import StepState
+from flashnext.model.state import StepState, step_of
 
 
 class MultiTokenPredictor(nn.Module):
@@ -86,7 +86,8 @@ class MultiTokenPredictor(nn.Module):
         Returns:
             (R_next [T, hc*D], y [T, D]): the layer's multi-stream output and its mixed output (for `lm_head`).
         """
-        fused = state is not None
+        step = step_of(state)
+        fused = step.fused
         T = residual.shape[0]
         e = apply_linear(self.fc_embedding, self.pre_fc_norm_embedding(next_embeds), fused)
         normed = self.pre_fc_norm_hidden(residual).reshape(T * self.hc, self.hidden)
@@ -94,7 +95,7 @@ class MultiTokenPredictor(nn.Module):
         x = (h + e.unsqueeze(1)).flatten(1)
         layer_state = None if state is None else StepState(state.step, state.bufs[0])
         x, _ = self.layers[0](x, None, rope, seg, None, layer_state, cp)
-        return x, self.hyper_connection_mixer(x, fused)
+        return x, self.hyper_connection_mixer(x, step)
 
 
 def mtp_inputs(input_ids: torch.Tensor, seg: Segments, placeholder: int = 0) -> torch.Tensor:

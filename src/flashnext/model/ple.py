@@ -20,7 +20,7 @@ from flashnext.model.context import ContextShard
 from flashnext.model.fused import Group
 from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import RMSNorm
-from flashnext.model.state import WINDOW, PLEState, StateSpec, StepState
+from flashnext.model.state import WINDOW, PLEState, StateSpec, StepState, step_of
 from flashnext.ops.conv import causal_conv1d_varlen
 
 
@@ -85,7 +85,7 @@ class PLELayer(nn.Module):
             eos = emb_mod.eos_id if emb_mod.eos_id is not None else 0
             context = cp.left_halo(input_ids.long(), emb_mod.ngram_size - 1, fill=eos)
         emb, context = emb_mod(input_ids, seg, initial_context=context)  # [T, E]
-        gated = self._gated(residual, emb, fused=state is not None)
+        gated = self._gated(residual, emb, fused=step_of(state).fused)
         conv_in = self.norm_conv(gated)
         window = None if state is None else state.read(state.bufs.conv)
         if cp is not None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from flashnext.model.moe import Experts
+from flashnext.model.state import TRAIN_STEP, Step
 from flashnext.ops.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_blocks
 
 DEQUANT_CHUNK = 16  # experts dequantised at once (bounds the fp32 temporaries to 16 experts' worth)
@@ -131,12 +132,12 @@ class Fp8Experts(nn.Module):
             down[a:b] = dequantize_blocks(dq, ds, self.dtype)
         return gate_up, down
 
-    def forward(self, x, experts, weights, fused: bool = False, static=False) -> torch.Tensor:
+    def forward(self, x, experts, weights, step: Step = TRAIN_STEP) -> torch.Tensor:
         """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D] (as `Experts.forward`)."""
         flat_e = experts.flatten()
-        if static or x.device.type == "meta":
-            return self._per_assignment(x, flat_e, weights, fused)
-        return self._touched(x, flat_e, weights, fused)
+        if step.static or x.device.type == "meta":
+            return self._per_assignment(x, flat_e, weights, step.fused)
+        return self._touched(x, flat_e, weights, step.fused)
 
     def _per_assignment(self, x, flat_e, weights, fused):
         """Each assignment's expert dequantised, then the gather path (static shapes: nothing read on the host)."""

@@ -6,8 +6,13 @@ empty sequence, and how the state behaves when positions are taken back). `serve
 fixed-address buffer `[S, *shape]` per field from those declarations, with S slots, and hands each module the same
 record type holding the buffers. Nothing else derives a state shape.
 
-A serving step (`StepBatch`, built by `make_step`) is a flat stream of N entries (prompt chunks, or one decode
-token each). Entry i belongs to cache slot `slots[i]` and continues a sequence of which `cached[i]` tokens are
+What a forward computes is one step context (`Step`), which layers ask instead of taking boolean flags: its `kind`
+(`TRAIN`, `PREFILL`, `DECODE`, `VERIFY`), whether the prepared serving weights apply (`fused`: any serving step) and
+whether it is the static decode graph (`static`). A training forward is `TRAIN_STEP` (the plain path), the default
+of every layer's `step` argument; a stateful module without `state` is in a training forward (`step_of`).
+
+A serving step (`StepBatch`, a `Step` built by `make_step`) is a flat stream of N entries (prompt chunks, or one
+decode token each). Entry i belongs to cache slot `slots[i]` and continues a sequence of which `cached[i]` tokens are
 already in the cache, so its tokens sit at positions `cached[i] .. cached[i] + L_i - 1`. A module's forward receives
 `StepState(step, bufs)` (its buffers and the step's slot mapping) as `state`, reads its entries' rows with
 `state.read`, computes with the same ops as training (which take the state in and return it out), and writes the
@@ -38,7 +43,7 @@ Legend: T tokens, N entries, S slots, W window rows, C channels.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -47,6 +52,11 @@ from flashnext.batch import Segments, make_segments
 WINDOW = "window"  # the last W rows of a per-token stream (conv inputs, n-gram context)
 RECURRENT = "recurrent"  # a state that summarises every token so far (the delta rule's)
 POSITIONAL = "positional"  # one row per position (QSA keys/values): rows past a length are never read
+
+TRAIN = "train"  # a training (or plain evaluation) forward: no cache, plain weights
+PREFILL = "prefill"  # a serving step with a prompt chunk (more than one token) in it
+DECODE = "decode"  # a serving step of one new token per entry
+VERIFY = "verify"  # a serving step scoring speculative drafts (the entries carry their drafts)
 
 
 @dataclass(frozen=True)
@@ -104,8 +114,48 @@ B = TypeVar("B")
 
 
 @dataclass
-class StepBatch:
-    """Metadata of one serving step.
+class Step:
+    """What a forward computes (see the module doc); layers ask it instead of taking boolean flags.
+
+    Attributes:
+        kind: `TRAIN`, `PREFILL`, `DECODE` or `VERIFY`.
+        static: a fixed-shape decode step built by `make_decode_step` (see the module doc).
+    """
+
+    kind: str = TRAIN
+    static: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the prepared serving weights apply (`model.fused`'s fast paths): any serving step."""
+        return self.kind != TRAIN
+
+
+TRAIN_STEP = Step()  # a training forward: the plain path
+
+
+class BlockPlan(NamedTuple):
+    """QSA blocks completed by a step's live entries (`plan_blocks`), shared by the model's QSA layers.
+
+    Attributes:
+        slot, block: int64 [B] each block's slot and index; cos, sin: [B, R] rotated at its first position.
+        done: static steps: bool [B], whether entry i's block completes in this step (a static step plans one
+            candidate block per entry and rewrites the others unchanged); None otherwise.
+        most: host int, the most complete blocks any query of the step sees (a static step scores every block row
+            of the cache instead).
+    """
+
+    slot: torch.Tensor
+    block: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    done: torch.Tensor | None
+    most: int
+
+
+@dataclass(kw_only=True)
+class StepBatch(Step):
+    """Metadata of one serving step (a `Step` of kind `PREFILL`, `DECODE` or `VERIFY`).
 
     Attributes:
         seg: segments of the step's stream; `position_ids` are the absolute positions `cached + offset`.
@@ -116,12 +166,7 @@ class StepBatch:
             `live_host` the same as a host list; `live_idx` int64 [n_live] their indices, `live_slots` their slots
             (on a static step: None, None and `slots`: every entry is written, padding into the scratch slot).
         tok_slot: int64 [T] slot of every token.
-        new_blocks: QSA blocks completed by this step's live entries, `(slot [B], block [B], cos [B, R],
-            sin [B, R])` rotated at each block's first position (set by the model, shared by its QSA layers).
-        block_done: static steps: bool [N], whether entry i's block in `new_blocks` completes in this step (a static
-            step plans one candidate block per entry and rewrites the others unchanged); None otherwise.
-        max_visible_blocks: host int, the most complete QSA blocks any query of the step sees (a static step
-            scores every block row of the cache instead).
+        blocks: the QSA blocks the step completes (`plan_blocks`' result, stored by the model for its QSA layers).
         mrope: per entry None (rotary position = row) or `(table int64 [3, L], delta)` (see the module doc);
             None when no entry has MRoPE positions.
         rope_positions: int64 [3, T] rotary positions of the step's tokens when `mrope` is set, else None
@@ -129,9 +174,9 @@ class StepBatch:
         slot_run: `(first, N)` when the entries' slots are `first, first+1, ...` in order and every entry is live
             (the usual decode batch): per-slot state is then read and written as one contiguous slice of each
             buffer (`gather`, `store`) instead of by index; None otherwise.
-        static: a fixed-shape decode step built by `make_decode_step` (see the module doc).
     """
 
+    kind: str = PREFILL
     seg: Segments
     slots: torch.Tensor
     cached: torch.Tensor
@@ -141,13 +186,10 @@ class StepBatch:
     live_idx: torch.Tensor | None
     live_slots: torch.Tensor
     tok_slot: torch.Tensor
-    new_blocks: tuple | None = None
-    block_done: torch.Tensor | None = None
-    max_visible_blocks: int = 0
+    blocks: BlockPlan | None = None
     mrope: list | None = None
     rope_positions: torch.Tensor | None = None
     slot_run: tuple[int, int] | None = None
-    static: bool = False
 
     def gather(self, buf: torch.Tensor) -> torch.Tensor:
         """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
@@ -191,6 +233,11 @@ class StepState(Generic[B]):
         return StepState(self.step, self.bufs[name])
 
 
+def step_of(state: StepState | None) -> Step:
+    """The step a module's `state` belongs to; `TRAIN_STEP` without state (a training forward)."""
+    return TRAIN_STEP if state is None else state.step
+
+
 def make_step(
     cu_seqlens: list[int],
     slots: list[int],
@@ -198,12 +245,19 @@ def make_step(
     scratch_slot: int,
     device: torch.device | str = "cpu",
     mrope: list | None = None,
+    kind: str | None = None,
 ) -> StepBatch:
     """Build a `StepBatch` from host lists (N entries; `slots[i] == scratch_slot` marks padding).
 
     `mrope`: optional per-entry None or `(table int64 [3, L], delta)` MRoPE positions (see the module doc).
+    `kind`: the step's kind; by default `DECODE` when every entry has one token, else `PREFILL` (a step scoring
+    drafts says `VERIFY`).
     """
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    if kind is None:
+        kind = DECODE if all(n == 1 for n in lengths) else PREFILL
+    elif kind not in (PREFILL, DECODE, VERIFY):
+        raise ValueError(f"make_step: kind {kind!r} is not a serving step's ({PREFILL!r}, {DECODE!r}, {VERIFY!r})")
     cached_t = torch.tensor(cached, dtype=torch.long)
     seg = _step_segments(cu_seqlens, lengths, cached_t, device)
     seq_idx = seg.seq_idx
@@ -221,6 +275,7 @@ def make_step(
     N = len(slots)
     run = N > 0 and all(live_host) and slots == list(range(slots[0], slots[0] + N))
     return StepBatch(
+        kind=kind,
         slot_run=(slots[0], N) if run else None,
         seg=seg,
         mrope=mrope,
@@ -283,6 +338,7 @@ def make_decode_step(slots: torch.Tensor, cached: torch.Tensor, scratch_slot: in
         pos_in_seq=torch.zeros(N, dtype=torch.long, device=device),
     )
     return StepBatch(
+        kind=DECODE,
         seg=seg,
         slots=slots,
         cached=cached,
@@ -307,12 +363,11 @@ def rope_rows(mrope, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
-    """Fill `step.new_blocks` and `step.max_visible_blocks` for QSA blocks of c = `ratio` tokens (host math; on a
-    static step device math: `_plan_decode_blocks`)."""
+def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> BlockPlan:
+    """The QSA blocks of c = `ratio` tokens that the step's live entries complete, rotated by `rotary` (host math;
+    on a static step device math: `_plan_decode_blocks`). The caller stores the plan as `step.blocks`."""
     if step.static:
-        _plan_decode_blocks(step, ratio, rotary, dtype)
-        return
+        return _plan_decode_blocks(step, ratio, rotary, dtype)
     slots, idx, most, pos = [], [], 0, []
     slot_host = step.slots.tolist()
     for i, (n, cached) in enumerate(zip(step.seg.lengths, step.cached_host, strict=True)):
@@ -331,15 +386,13 @@ def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None
         cos, sin = rotary(
             torch.cat(pos, dim=1).to(dev) if pos else torch.zeros(3, 0, dtype=torch.long, device=dev), dtype
         )
-    step.new_blocks = (torch.tensor(slots, dtype=torch.long, device=dev), idx_t, cos, sin)
-    step.max_visible_blocks = most
+    return BlockPlan(torch.tensor(slots, dtype=torch.long, device=dev), idx_t, cos, sin, None, most)
 
 
-def _plan_decode_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> None:
+def _plan_decode_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> BlockPlan:
     """Static step: entry i's candidate block is the last one its token can complete, `(cached + 1) // c - 1`
-    (clamped to 0); `block_done` marks the live entries whose token does complete it."""
+    (clamped to 0); `done` marks the live entries whose token does complete it."""
     end = step.cached + 1
     idx = (end // ratio - 1).clamp_min(0)
-    step.block_done = step.live & (end % ratio == 0)
     cos, sin = rotary(idx * ratio, dtype)
-    step.new_blocks = (step.slots, idx, cos, sin)
+    return BlockPlan(step.slots, idx, cos, sin, step.live & (end % ratio == 0), 0)

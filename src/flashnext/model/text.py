@@ -24,7 +24,7 @@ from flashnext.model.ngram import NGramEmbedding
 from flashnext.model.norm import GatedRMSNorm, RMSNorm
 from flashnext.model.ple import PLELayer
 from flashnext.model.rope import RotaryEmbedding
-from flashnext.model.state import StepBatch, StepState, plan_blocks
+from flashnext.model.state import StepBatch, StepState, plan_blocks, step_of
 
 MTP_OWN_HEAD = "mtp.shared_head.head.weight"  # a draft head of its own, when a checkpoint carries one
 
@@ -77,7 +77,7 @@ class FlashNextTextModel(nn.Module):
             step = state.step
             positions = positions if step.rope_positions is None else step.rope_positions
             if self.config.qsa_enabled:
-                plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
+                step.blocks = plan_blocks(step, self.config.indexer_compress_ratio, self.rotary, x.dtype)
         rope = self.rotary(positions, x.dtype)
         routed = []
         for i, layer in enumerate(self.layers):
@@ -85,7 +85,7 @@ class FlashNextTextModel(nn.Module):
             layer_replay = None if replay is None else replay[:, i]
             residual, experts = layer(residual, input_ids, rope, seg, layer_replay, layer_state, cp)
             routed.append(experts)
-        hidden = self.hyper_connection_mixer(residual, state is not None)
+        hidden = self.hyper_connection_mixer(residual, step_of(state))
         return hidden, torch.stack(routed, dim=1), residual
 
 
@@ -253,7 +253,7 @@ class FlashNextForCausalLM(nn.Module):
             raise InputError("draft_step: this model has no MTP head (its config declares no MTP layer)")
         dtype, decoder = residual.dtype, self.decoder
         if self.config.qsa_enabled:
-            plan_blocks(step, self.config.indexer_compress_ratio, decoder.rotary, dtype)
+            step.blocks = plan_blocks(step, self.config.indexer_compress_ratio, decoder.rotary, dtype)
         positions = step.seg.position_ids if step.rope_positions is None else step.rope_positions  # MRoPE
         rope = decoder.rotary(positions, dtype)
         state = StepState(step, cache.layers[len(decoder.layers) :])

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.errors import ConfigError
+from flashnext.model.state import TRAIN_STEP, Step
 from flashnext.quant.int_linear import compute_dtype, dequantize_int8, int8_linear, quantize_int8, use_reference
 
 INT4_GROUPS = (32, 64, 128)
@@ -162,9 +163,9 @@ class QuantExperts(nn.Module):
         return self._swiglu(x, pick(self.gate_up_q), pick(self.gate_up_s), pick(self.down_q), pick(self.down_s))
 
     def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: bool = False, static=False
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, step: Step = TRAIN_STEP
     ) -> torch.Tensor:
-        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D] (x's dtype)."""
+        """x: [T, D]; experts int64 [T, k]; weights [T, k] -> [T, D] (x's dtype); `step`: a `model.state.Step`."""
         if use_reference():
             return experts_ref(self, x, experts, weights)
         T, k = experts.shape
@@ -172,7 +173,7 @@ class QuantExperts(nn.Module):
         xc = x.to(self.gate_up_s.dtype)
         if flat_e.numel() * 2 < self.num_experts:
             out = self._gathered(xc, flat_e, weights)
-        elif static:
+        elif step.static:
             out = self._dense(xc, experts, weights)
         else:
             out = self._grouped(xc, flat_e, weights)

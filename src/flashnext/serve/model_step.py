@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashnext.model.state import make_step
+from flashnext.model.state import VERIFY, make_step
 from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph, decode_only
@@ -54,7 +54,8 @@ class ModelStep:
             slots.append(req.slot)
             cached.append(req.num_cached)
         mrope = [req.mrope for req, _ in plan]
-        step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope)
+        kind = VERIFY if any(req.drafts for req, _ in plan) else None  # else decode or prefill, by the lengths
+        step = make_step(cu, slots, cached, self.cache.scratch_slot, self.device, mrope=mrope, kind=kind)
         scored = prompt_logprobs.prompt_rows(plan, cu)
         extra = prompt_logprobs.stream_rows(scored)
         with torch.inference_mode():
