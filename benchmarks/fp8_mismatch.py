@@ -20,7 +20,7 @@ import torch
 
 import flashnext
 from flashnext.batch import make_segments, next_token_targets
-from flashnext.build import _on_meta
+from flashnext.model.multimodal import on_meta
 from flashnext.model.quant_experts_fp8 import use_fp8_experts
 from flashnext.rl.envs import ReverseEnv
 from flashnext.rl.inference import LocalInference, SamplingSpec
@@ -35,7 +35,7 @@ from flashnext.train.loss import rl_loss, token_logprobs
 
 def engine_model(trainer: torch.nn.Module, fp8: bool) -> torch.nn.Module:
     """A second instance of the trainer's model, its experts in FP8 when `fp8`, filled by a full weight sync."""
-    model = _on_meta(trainer.model_config, torch.float32)
+    model = on_meta(trainer.model_config, torch.float32)
     if fp8:
         names = {n: torch.bfloat16 for n, m in model.named_modules() if n.endswith("mlp.experts") and "mtp" not in n}
         use_fp8_experts(model, names, torch.float32)

@@ -84,9 +84,9 @@ def main(argv=None) -> int:
 
     from flashnext.build import build_model
     from flashnext.checkpoint import save_pretrained
-    from flashnext.checkpoint.quantize_int import quantize_int
     from flashnext.config import parse_config
     from flashnext.quant.apply import QuantScheme
+    from flashnext.quant.int_quantize import quantize_int
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ratios: dict[str, float] = {}

@@ -16,14 +16,14 @@ from torch import nn
 
 from flashnext.checkpoint.files import checkpoint_files, read_headers
 from flashnext.checkpoint.fp8_weights import fp8_expert_layers
-from flashnext.checkpoint.int_weights import fill_int_modules, int_scheme, use_int_modules
+from flashnext.checkpoint.int_weights import int_scheme
 from flashnext.checkpoint.load import load_checkpoint
 from flashnext.config import ModelConfig, TextConfig, load_config
 from flashnext.errors import CheckpointError
-from flashnext.model.multimodal import FlashNextForConditionalGeneration
+from flashnext.model.multimodal import on_meta
 from flashnext.model.quant_experts_fp8 import use_fp8_experts
-from flashnext.model.text import FlashNextForCausalLM
 from flashnext.ngram import DEFAULT_RESIDENT_MB, fill_quantized_tables, prepare_ngram_storage
+from flashnext.quant.int_checkpoint import fill_int_modules, use_int_modules
 
 log = logging.getLogger("flashnext")
 
@@ -48,21 +48,10 @@ def build_model(
     Returns:
         The model in eval mode.
     """
-    model = _on_meta(config, dtype)
+    model = on_meta(config, dtype)
     if torch.device(device).type != "meta":
         _materialise(model, device, seed)
     return model.eval()
-
-
-def _on_meta(config: TextConfig | ModelConfig, dtype: torch.dtype) -> nn.Module:
-    """The model of `config` on the meta device (no memory), cast to `dtype` there."""
-    multimodal = isinstance(config, ModelConfig) and config.vision_config is not None
-    with torch.device("meta"):
-        if multimodal:
-            model = FlashNextForConditionalGeneration(config)
-        else:
-            model = FlashNextForCausalLM(config.text if isinstance(config, ModelConfig) else config)
-    return model.to(dtype=dtype)
 
 
 def _materialise(model: nn.Module, device: str | torch.device, seed: int | None = None) -> None:
@@ -109,7 +98,7 @@ def from_pretrained(
     """
     cfg = load_config(path)
     multimodal = cfg.vision_config is not None
-    model = _on_meta(cfg, dtype)
+    model = on_meta(cfg, dtype)
     style = "multimodal" if multimodal else "composite" if cfg.composite else "text"
     prepare_ngram_storage(model, path, ngram_storage, dtype=dtype, style=style, resident_mb=ngram_resident_mb)
     int_q = int_scheme(cfg)  # an int8/int4 checkpoint (`checkpoint/int_weights.py`), else None

@@ -16,7 +16,6 @@ from torch.utils._pytree import tree_flatten
 import flashnext
 from flashnext.checkpoint import save_pretrained
 from flashnext.checkpoint.int_weights import pack_nibbles, unpack_nibbles
-from flashnext.checkpoint.quantize_int import quantize_int
 from flashnext.cli import main as cli_main
 from flashnext.config import parse_config
 from flashnext.errors import CheckpointError, ConfigError
@@ -25,6 +24,7 @@ from flashnext.model.text import FlashNextForCausalLM
 from flashnext.quant.apply import QuantScheme, quantize_model
 from flashnext.quant.int_experts import QuantExperts
 from flashnext.quant.int_linear import Int8Group, Int8Linear
+from flashnext.quant.int_quantize import quantize_int
 
 # As tests/quant/test_apply.py: hidden and 2 x width multiples of 16, width a multiple of the int4 group.
 OVERRIDES = dict(vocab_size=256, hidden_size=64, num_experts=8, moe_intermediate_size=64,

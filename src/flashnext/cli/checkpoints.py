@@ -79,8 +79,8 @@ def _run_quantize_weights(args: argparse.Namespace, start: float) -> None:
 
 
 def _run_quantize_int(args: argparse.Namespace, start: float) -> None:
-    from flashnext.checkpoint.quantize_int import quantize_int
     from flashnext.quant.apply import QuantScheme
+    from flashnext.quant.int_quantize import quantize_int
 
     scheme = QuantScheme.from_flags(args.weights or "bf16", args.trunk, args.experts, args.group_size)
     done = quantize_int(args.src, args.dst, scheme, overwrite=args.overwrite)

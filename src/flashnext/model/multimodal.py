@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flashnext.batch import Segments, flatten_inputs, integer_tensor, make_segments
-from flashnext.config import ModelConfig
+from flashnext.config import ModelConfig, TextConfig
 from flashnext.errors import ConfigError, InputError
 from flashnext.model.heads import CausalLMOutput, causal_lm_outputs
 from flashnext.model.mtp import MultiTokenPredictor
@@ -281,3 +281,14 @@ class FlashNextForConditionalGeneration(nn.Module):
         if self.visual is not None:
             gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed + 1)
             self.visual.init_weights(self.config.initializer_range, gen)
+
+
+def on_meta(config: TextConfig | ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model of `config` on the meta device (no memory), cast to `dtype` there."""
+    multimodal = isinstance(config, ModelConfig) and config.vision_config is not None
+    with torch.device("meta"):
+        if multimodal:
+            model = FlashNextForConditionalGeneration(config)
+        else:
+            model = FlashNextForCausalLM(config.text if isinstance(config, ModelConfig) else config)
+    return model.to(dtype=dtype)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flashnext.checkpoint.int_weights import check_scheme_matches
 from flashnext.errors import ConfigError
 from flashnext.model.fused import Group
 from flashnext.model.moe import Experts, Router
@@ -102,8 +103,6 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     if not scheme.enabled:
         return model
     if (stored := getattr(model, "stored_quant", None)) is not None:  # loaded from an int8/int4 checkpoint
-        from flashnext.checkpoint.int_weights import check_scheme_matches
-
         check_scheme_matches(stored, scheme)
         return model
     device = next(model.parameters()).device

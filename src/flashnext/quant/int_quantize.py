@@ -1,13 +1,13 @@
 """`flashnext quantize --weights int8|int4` (or per part `--trunk int8 --experts int4 --group-size 64`): a checkpoint
 whose quantized modules are stored as int8 / int4 codes + scales (the format: `checkpoint/int_weights.py`).
 
-The modules are those `quant.apply.quantize_model` replaces for the scheme (`int_weights.int_modules` on the config's
-model built on `meta`: names and shapes only). Each of their float weights (a linear's `.weight`; a routed expert's
-`.{e}.{gate,up,down}_proj.weight`) is read, quantised by the in-memory functions (`quantize_int8`, `quantize_int4`,
-scales in the CPU kernels' dtype: BF16, F16 for an F16 source) and written as `.qweight` + `.weight_scale`
-(+ `.weight_zero`) before the next is read: peak memory is one tensor and its output. Every other tensor is copied
-byte for byte, in the same files (`quantize_weights.write_checkpoint`); OUT must be absent or empty unless
-`overwrite`, which replaces it whole (`checkpoint/target.py`).
+The modules are those `quant.apply.quantize_model` replaces for the scheme (`int_checkpoint.int_modules` on the
+config's model built on `meta`: names and shapes only). Each of their float weights (a linear's `.weight`; a routed
+expert's `.{e}.{gate,up,down}_proj.weight`) is read, quantised by the in-memory functions (`quantize_int8`,
+`quantize_int4`, scales in the CPU kernels' dtype: BF16, F16 for an F16 source) and written as `.qweight` +
+`.weight_scale` (+ `.weight_zero`) before the next is read: peak memory is one tensor and its output. Every other
+tensor is copied byte for byte, in the same files (`quantize_weights.write_checkpoint`); OUT must be absent or empty
+unless `overwrite`, which replaces it whole (`checkpoint/target.py`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ from flashnext.checkpoint.int_weights import (
     QUANT_KEY,
     disk_module,
     expert_matrices,
-    int_modules,
     int_quantization_config,
     pack_nibbles,
 )
+from flashnext.checkpoint.load import ties_embeddings
 from flashnext.checkpoint.quantize import PIECE_BYTES, _raw_chunks, check_quantize_target
 from flashnext.checkpoint.quantize_weights import write_checkpoint
 from flashnext.checkpoint.stream_write import Entry
 from flashnext.checkpoint.target import writing
 from flashnext.config import load_config
 from flashnext.errors import CheckpointError
+from flashnext.model.multimodal import on_meta
+from flashnext.quant.int_checkpoint import int_modules
+from flashnext.quant.int_experts import check_group, quantize_int4
+from flashnext.quant.int_linear import compute_dtype, quantize_int8
 
 _SOURCE_DTYPES = ("BF16", "F16", "F32")
 
@@ -48,8 +52,6 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
             the config's shape.
         ConfigError: an int4 group that does not fit the experts.
     """
-    from flashnext.build import _on_meta
-
     if not scheme.enabled:
         raise CheckpointError("quantize: nothing to quantize (--weights int8|int4, or --trunk int8 / --experts ...)")
     src, dst = check_quantize_target(src, dst, overwrite)
@@ -60,7 +62,7 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
     headers = {f: data_offsets(f) for f in files}
     infos = {k: i for _, h in headers.values() for k, i in h.items() if k != "__metadata__"}
     style = "multimodal" if cfg.vision_config is not None else "composite" if cfg.composite else "text"
-    model = _on_meta(cfg, torch.float32)
+    model = on_meta(cfg, torch.float32)
     if model.mtp is not None and not any(k.startswith("mtp.") for k in infos):
         model.mtp = None  # as `from_pretrained` loads it: no head to quantize
     targets, tied, modules, problems = _plan(model, cfg, scheme, style, infos)
@@ -80,8 +82,6 @@ def quantize_int(src: str | Path, dst: str | Path, scheme, *, overwrite: bool = 
 def _plan(model, cfg, scheme, style: str, infos: dict):
     """What to quantize: (float weight key -> scheme, a tied embedding's key -> lm_head's scheme, the on-disk
     module names per scheme, the problems found)."""
-    from flashnext.quant.int_experts import check_group
-
     targets: dict[str, str] = {}  # float weight key -> scheme
     tied: dict[str, str] = {}  # the embedding's key -> lm_head's scheme (tied: quantized as lm_head too)
     modules: dict[str, list[str]] = {"int8": [], "int4": []}
@@ -119,8 +119,6 @@ def _plan(model, cfg, scheme, style: str, infos: dict):
 
 def _tied_embedding(cfg, infos: dict) -> str | None:
     """The token embedding's key when the config ties `lm_head` to it (which `from_pretrained` then copies)."""
-    from flashnext.checkpoint.load import ties_embeddings
-
     keys = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
     return next((k for k in keys if k in infos), None) if ties_embeddings(cfg) else None
 
@@ -128,9 +126,6 @@ def _tied_embedding(cfg, infos: dict) -> str | None:
 def _entries(file: Path, base: int, key: str, info: dict, which: str | None, group: int, out: str | None = None):
     """A tensor copied byte for byte, or a float weight's codes + scales (+ zeros) under `out` (default `key`),
     quantised when its first entry is written (the others are held until theirs, written right after)."""
-    from flashnext.quant.int_experts import quantize_int4
-    from flashnext.quant.int_linear import compute_dtype, quantize_int8
-
     shape = tuple(info["shape"])
     begin, end = info["data_offsets"]
     if which is None:
