@@ -107,19 +107,20 @@ class Group:
         """`F.linear(x, m.weight, m.bias)` for every member, as separate calls or (fused) one GEMM."""
         if not fused:
             return tuple(m(x) if isinstance(m, nn.Linear) else F.linear(x, m.weight, _bias(m)) for m in self.members)
-        weight, bias, sizes = self.weights()
-        return torch.split(self._product(x, weight, bias), sizes, dim=-1)
+        y = self.product(x)
+        return torch.split(y, self._built[4], dim=-1)
 
     def product(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
         """The fused GEMM of `x` with the concatenated weights (`linear(..., fused=True)`); through the fp32 copy
-        (see the module doc) when there is one and `x` has few enough rows."""
-        weight, bias, _ = self.weights()
-        return self._product(x, weight, bias, contiguous)
-
-    def _product(self, x, weight, bias, contiguous=True):
-        if self._fp32 is not None and x.dim() == 2 and x.shape[0] * weight.numel() <= FP32_COPY_MAX:
-            y = linear(x.float(), *self._fp32, fused=True, contiguous=False).to(x.dtype)
+        (see the module doc) when there is one and `x` has few enough rows. Only the weights used are read (inside
+        a compiled graph each one read is a guarded input)."""
+        if not _compiling():
+            self.refresh()
+        fp32 = self._fp32
+        if fp32 is not None and x.dim() == 2 and x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX:
+            y = linear(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)
             return y.contiguous() if contiguous else y
+        _, _, weight, bias, _ = self._built
         return linear(x, weight, bias, fused=True, contiguous=contiguous)
 
     def _params(self) -> list:
