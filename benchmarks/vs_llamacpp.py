@@ -14,7 +14,8 @@ by the reference harness, saved, loaded by `flashnext.from_pretrained`, converte
    from the same ids; the texts (byte tokens as bytes, others as `<t{i}>`) must match, else the script stops (exit
    1) without timing: a wrong conversion or a llama.cpp that computes another function is not a comparison — unless
    the first difference comes after half the tokens and is a near tie (llama.cpp's token within `TIE_MARGIN` = 0.05
-   of our top logit: its F16 KV cache and other sum orders round differently). Caveat
+   of our top logit: its F16 KV cache and other sum orders round differently); an exact tie (gap 0, as bf16 logits often
+   are) counts at any position. Caveat
    (llama.cpp is not exact): past the QSA budget it attends its top tokens rather than whole blocks, so beyond 128
    tokens of context outputs may drift; the prompts here stay below that.
 2. Timing, alternating ours and llama.cpp, `--repeats` times per batch size: 32-token prompts and 64 new tokens
@@ -115,7 +116,9 @@ def agreement(model, simple: Path, gguf: Path, threads: int, n: int = 32) -> tup
         gap = tie_gap(model, list(prompt.encode()) + ids[:equal], theirs[len(text_of(ids[:equal])) :])
         if gap is not None:
             print(f"# first difference at token {equal}: llama.cpp's token {gap:.4f} below our top logit", flush=True)
-            if gap <= TIE_MARGIN and equal >= n // 2:
+            # an exact tie (llama.cpp's token shares our top logit: common in bf16, whose logits carry 8 mantissa
+            # bits) is no evidence of another function wherever it comes; a near tie only after half the tokens
+            if gap == 0.0 or (gap <= TIE_MARGIN and equal >= n // 2):
                 print(f"# a near tie (<= {TIE_MARGIN}): the same function up to rounding; timing it", flush=True)
                 return n, n
     return equal, n

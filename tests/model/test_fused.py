@@ -169,3 +169,60 @@ def test_transposed_expert_gemms_equal_plain(rows):
         got = Experts._swiglu(x, gate_up, down, fused=True)
     gate, up = (x @ gate_up.transpose(1, 2)).chunk(2, dim=-1)
     torch.testing.assert_close(got, (F.silu(gate) * up) @ down.transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the input dtype of every matrix product dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("mm", "addmm", "linear", "matmul"):
+            self.dtypes.append(args[0].dtype if func.overloadpacket.__name__ != "addmm" else args[1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_small_bf16_linears_use_their_fp32_copy(rows):
+    """bf16 serving on CPU: a small weight (a group's, or a single nn.Linear served by `apply_linear`) multiplies
+    few rows through its fp32 copy (`fused.FP32_COPY_MAX`), more rows in bf16; both equal the plain bf16 module
+    call within one bf16 rounding at the outputs' scale (~1 here: rtol = atol = 2**-7, one bf16 ulp; the kernels
+    accumulate in another order and the bf16 ones may round partial sums, which can flip a rounding, seen up to
+    2**-8), and follow an in-place weight update."""
+    torch.manual_seed(5)
+    model = nn.ModuleDict(
+        {"single": nn.Linear(256, 256), "a": nn.Linear(256, 300, bias=False), "b": nn.Linear(256, 200)}
+    ).bfloat16()
+    model.group = fused.Group(model["a"], model["b"])
+    fused.prepare(model)
+    x = torch.randn(rows, 256).bfloat16()
+
+    def check(fp32: bool):
+        with torch.no_grad(), _MatmulDtypes() as seen:
+            single = fused.apply_linear(model["single"], x, fused=True)
+            a, b = model.group(x, fused=True)
+        assert seen.dtypes == [torch.float32 if fp32 else torch.bfloat16] * 2
+        assert single.is_contiguous()
+        with torch.no_grad():
+            for got, m in ((single, model["single"]), (a, model["a"]), (b, model["b"])):
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got, m(x), rtol=2**-7, atol=2**-7)
+
+    fp32 = rows * 256 * 256 <= fused.FP32_COPY_MAX
+    assert fp32 == (rows * 500 * 256 <= fused.FP32_COPY_MAX)  # the two weights take the same side here
+    check(fp32)
+    with torch.no_grad():
+        model["single"].weight.mul_(-2)  # in place (an optimizer step, a weight sync)
+        model["b"].bias.add_(1)
+    check(fp32)
+
+
+def test_fp32_copies_only_for_small_low_precision_cpu_weights():
+    model = nn.ModuleDict({"small": nn.Linear(64, 64), "big": nn.Linear(1024, 1024)}).bfloat16()
+    model["fp32"] = nn.Linear(64, 64)
+    fused.prepare(model)
+    assert fused.SINGLE in vars(model["small"])
+    assert fused.SINGLE not in vars(model["big"]) and fused.SINGLE not in vars(model["fp32"])
+    assert vars(model["small"])[fused.SINGLE]._fp32[0].dtype == torch.float32
