@@ -97,3 +97,27 @@ def test_int8_experts_narrower_than_the_packed_kernel(path):
     x, experts, weights = _routing(T, 8, 1 if path == "gathered" else 2)
     got = q(x, experts, weights, Step(DECODE, static=path == "dense"))
     _close(got, experts_ref(q, x, experts, weights))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tokens", [3, 10])
+def test_int8_static_step_fuses_the_dequantisation_when_compiled(backend, tokens):
+    """In a compiled static step (the decode graph) int8 experts run `_reduced`: the int8 rows gathered and upcast
+    inside an fp32 product of the fp32 input, no bf16 kernel. So the output is the fp32 twin's on the unrounded
+    input up to the order of fp32 sums (1e-4 of the output's scale, against ~3e-3 for the bf16 kernels: this tells
+    the paths apart), and the plain twin's within the kernels' tolerance. Eager, `_reduced` gives the same; 3 tokens
+    x top-1 of 8 is the gather size (2A < E), 10 x top-2 the every-expert one."""
+    q = QuantExperts.from_float(_experts(), "int8")
+    x, experts, weights = _routing(tokens, 8, 1 if tokens == 3 else 2)
+    want = experts_ref(q, x, experts, weights, exact_input=True)
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a: q(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        fused = step(x, experts, weights)
+        _close(fused, want, rel=1e-4)
+        _close(fused, experts_ref(q, x, experts, weights))
+        _close(q._reduced(x, experts.flatten(), weights), want, rel=1e-4)
+        # eager, the static step keeps the packed kernels (the fused form would materialise [A, 2I, D] products)
+        got = q(x, experts, weights, Step(DECODE, static=True))
+    _close(got, want)
+    assert (got - want).abs().max() > 1e-4 * want.abs().max()
