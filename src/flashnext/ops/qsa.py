@@ -18,7 +18,6 @@ import math
 import torch
 
 from flashnext.batch import Segments
-from flashnext.ops.rows import RepeatedGather
 
 SCORE_BUDGET = 1 << 22  # elements of the [Tq, Hi, NB] score tensor per chunk (16 MiB fp32: memory gets reused)
 GATHER_BUDGET = 1 << 21  # elements of one head's gathered [Tq, n, D] keys per chunk (8 MiB fp32)
@@ -227,9 +226,6 @@ def sparse_attention(
     nb = blk.shape[1]
     mask = torch.cat([ok, ok.new_zeros(T, nb * c - n)], dim=1)  # [T, nb * c]; the tail's c-th token never counts
     step = max(1, GATHER_BUDGET // max(1, nb * c * D))
-    # One gather plan per query chunk, shared by the keys and values of every kv head: the blocks repeat across
-    # queries, and `index_select`'s backward (a scatter_add_ on CPU) was ~10% of the fwd+bwd step (14% in bf16).
-    plans = [RepeatedGather(blk[t0 : t0 + step].flatten(), rows) for t0 in range(0, T, step)]
     heads = []
     for h in range(Hkv):
         k_h = k.new_zeros(rows * c, D).index_copy(0, slot, k[:, h]).view(rows, c * D)
@@ -238,8 +234,9 @@ def sparse_attention(
         outs = []
         for i, t0 in enumerate(range(0, T, step)):
             t1 = min(T, t0 + step)
-            ks = plans[i].gather(k_h).view(t1 - t0, nb * c, D)
-            vs = plans[i].gather(v_h).view(t1 - t0, nb * c, D)
+            idx = blk[t0:t1].flatten()
+            ks = k_h.index_select(0, idx).view(t1 - t0, nb * c, D)
+            vs = v_h.index_select(0, idx).view(t1 - t0, nb * c, D)
             w = _Scores.apply(q_chunks[i], ks) * scale  # [Tq, G, nb * c]
             w = w.masked_fill(~mask[t0:t1, None, :], float("-inf"))
             w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
