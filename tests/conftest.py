@@ -1,6 +1,7 @@
 """Shared fixtures: a small but complete text config (GDN + PLE + QSA + MoE) for tests of our own code."""
 
 import pytest
+import torch
 
 SMALL_TEXT_CONFIG = dict(
     vocab_size=64,
@@ -51,3 +52,13 @@ def small_config_module():
         k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
         for k, v in SMALL_TEXT_CONFIG.items()
     }
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (tiny serving steps: no thread hand-off cost, no oversubscription on a
+    shared box); restored after. Directories and files opt in (`tests/serve/conftest.py`, `pytestmark`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

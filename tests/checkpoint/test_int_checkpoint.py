@@ -35,12 +35,7 @@ EXPERT = "model.layers.1.mlp.experts.3"
 LINEAR = "model.layers.0.linear_attn.in_proj_z"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturbed(model: torch.nn.Module) -> torch.nn.Module:

@@ -23,12 +23,7 @@ OVERRIDES = dict(vocab_size=256, hidden_size=64, num_experts=8, moe_intermediate
                  layer_types=["linear_attention", "indexed_attention"], mtp_num_hidden_layers=1)  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(small_config, seed=0, scheme: QuantScheme | None = None, dtype=torch.bfloat16) -> FlashNextForCausalLM:

@@ -24,12 +24,7 @@ OVERRIDES = dict(vocab_size=256, num_hidden_layers=2, ple_layer_ids=[1],
                  layer_types=["linear_attention", "indexed_attention"])  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fp8_model(small_config) -> FlashNextForCausalLM:

@@ -36,12 +36,7 @@ def _reference_greedy(ref, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps: thread hand-off costs more than it saves
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny steps: thread hand-off costs more than it saves
 
 
 # The decode graph: decode-only steps as the static step traced by dynamo, padded to bucket 3 ("aot_eager": the
