@@ -84,6 +84,19 @@ def test_loaded_int_checkpoint_is_quantize_model_of_the_float_one_bitwise(ckpts,
     assert loaded.stored_quant == SCHEMES[weights]
 
 
+@pytest.mark.parametrize("route", ["disk", "memory"])
+def test_saving_a_quantized_model_is_refused_and_writes_nothing(ckpts, tmp_path, route):
+    """The int modules' buffers are packed kernel layouts, not the int checkpoint's format: `save_pretrained` wrote
+    them under their module names into a checkpoint nothing could load; now it refuses, naming a module."""
+    if route == "disk":
+        model = flashnext.from_pretrained(ckpts["int8"], dtype=torch.bfloat16)
+    else:
+        model = quantize_model(flashnext.from_pretrained(ckpts["bf16"], dtype=torch.bfloat16), SCHEMES["int4"])
+    with pytest.raises(CheckpointError, match="weight-only int8/int4 modules"):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_int4_codes_are_nibble_packed_low_first_on_disk(ckpts):
     """The documented portable layout: plain row-major codes, code 2j in the low nibble of byte j; scales/zeros
     [N, K/g] with w = (q - 8) * scale + zero."""

@@ -160,8 +160,10 @@ def save_pretrained(
         The directory.
 
     Raises:
-        CheckpointError: `directory` is not empty and `overwrite` is False (nothing is written).
+        CheckpointError: `directory` is not empty and `overwrite` is False, or the model holds weight-only int8 /
+            int4 modules (`flashnext.quant`: their packed kernel layouts are no checkpoint); nothing is written.
     """
+    _refuse_int_modules(model)
     cfg = config or model_config_of(model)
     style = layout.model_style(model.state_dict()) or (layout.COMPOSITE if cfg.composite else layout.TEXT)
     directory = Path(directory)
@@ -169,6 +171,17 @@ def save_pretrained(
     with writing(directory, overwrite) as tmp:
         write_checkpoint(tmp, entries, cfg, max_shard_bytes)
     return directory
+
+
+def _refuse_int_modules(model: torch.nn.Module) -> None:
+    # by module path: `checkpoint/` sits below `quant/` and does not import it
+    quantized = [n for n, m in model.named_modules() if type(m).__module__.startswith("flashnext.quant.")]
+    if quantized:
+        raise CheckpointError(
+            f"save_pretrained: the model holds weight-only int8/int4 modules ({quantized[0]}, {len(quantized)} in "
+            "all), whose packed CPU layouts are not a checkpoint; save the float model, then `flashnext quantize "
+            "--weights int8|int4` it (or keep the int checkpoint it was loaded from)"
+        )
 
 
 def write_checkpoint(
