@@ -107,7 +107,8 @@ def test_serving_rows_equal_the_engine_allocations(which, dtype):
     gdn, qsa = state_bytes(cfg.text, 3, 37, name, with_mtp)
     assert gdn + qsa == StateCache(model, max_slots=3, max_model_len=37).nbytes()
     prepare_for_inference(model)
-    built = sum(g._built[2].nbytes + (0 if g._built[3] is None else g._built[3].nbytes) for g in groups(model))
+    copies = [t for g in groups(model) for t in (*g._built[2:4], *(g._fp32 or ())) if t is not None]
+    built = sum(t.nbytes for t in copies)  # fused weights and biases, and fp32 copies of small bf16 ones
     assert fused_copy_bytes(cfg, PlanOptions(dtype=name, mtp=with_mtp), name) == built
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from flashnext.config import LINEAR, ModelConfig, TextConfig
 from flashnext.errors import ConfigError
 from flashnext.manifest import EXPERTS, MATRIX, TABLE, Param, gdn_dims, parameters
+from flashnext.model.fused import FP32_COPY_MAX
 
 SCHEMES = ("fp32", "bf16", "fp8", "int8", "int4")
 TRUNK_SCHEMES = ("fp32", "bf16", "int8")
@@ -252,12 +253,49 @@ def fused_copy_bytes(cfg: ModelConfig, opts: PlanOptions, trunk: str) -> int:
         r"(in_proj_(qkv|z|b|a)|[qkv]_proj|index_qk_proj|mlp\.gate|shared_expert\.(gate|up)_proj|shared_expert_gate|"
         r"key_proj|value_proj|input_mix_weight_down|block_inject_weight)\.weight$"
     )
-    fused = [p for p in parameters(cfg, opts.mtp) if p.kind == MATRIX and not p.name.startswith("model.visual.")]
+    every = parameters(cfg, opts.mtp)
+    fused = [p for p in every if p.kind == MATRIX and not p.name.startswith("model.visual.")]
     total = sum(param_bytes(p, trunk, opts.dtype) for p in fused if members.search(p.name))
+    qsa_in = re.compile(r"self_attn\.([qkv]_proj|indexer\.index_qk_proj)\.weight$")
     if cfg.text.attention_bias:  # the QSA group's bias: q/k/v biases and zeros for the indexer's rows
-        qsa_in = re.compile(r"self_attn\.([qkv]_proj|indexer\.index_qk_proj)\.weight$")
         total += sum(p.shape[0] for p in fused if qsa_in.search(p.name)) * DTYPE_BYTES[opts.dtype]
+    if opts.device.startswith("cpu") and trunk in ("bf16", "fp16"):
+        total += _fp32_copy_bytes(cfg, every, members, qsa_in, trunk)
     return total
+
+
+def _fp32_copy_bytes(cfg: ModelConfig, every: list[Param], members: re.Pattern, qsa_in: re.Pattern, dtype: str) -> int:
+    """`model/fused.py`'s copies for small low-precision CPU weights (<= `FP32_COPY_MAX` elements): an fp32 copy of
+    each such group's fused weight (+ bias), and for an `nn.Linear` in no group its own one-member group (a
+    `dtype` copy and an fp32 one, + bias)."""
+    biases = {p.name: p.numel for p in every if p.name.endswith(".bias")}
+    owners: dict[str, list[Param]] = {}
+    for p in every:
+        if p.kind == MATRIX and not p.name.startswith("model.visual.") and (m := members.search(p.name)):
+            owner = re.sub(r"(indexer\.|shared_expert\.)$", "", p.name[: m.start()])
+            owners.setdefault(owner, []).append(p)
+    total = 0
+    for group in owners.values():
+        numel = sum(p.numel for p in group)
+        rows = sum(p.shape[0] for p in group)
+        has_bias = any(p.name.removesuffix(".weight") + ".bias" in biases for p in group) or (
+            cfg.text.attention_bias and any(qsa_in.search(p.name) for p in group)
+        )
+        if numel <= FP32_COPY_MAX:
+            total += 4 * (numel + (rows if has_bias else 0))
+    for p in every:
+        linear = p.kind == MATRIX or (p.name.startswith("model.visual.") and len(p.shape) == 2)  # vision: plain
+        if linear and SINGLE_LINEARS.search(p.name) and p.numel <= FP32_COPY_MAX:
+            bias = biases.get(p.name.removesuffix(".weight") + ".bias", 0)
+            total += (DTYPE_BYTES[dtype] + 4) * (p.numel + bias)
+    return total
+
+
+# `nn.Linear`s in no `Group` (`model/fused.py` gives a small low-precision one a group of its own at `prepare`)
+SINGLE_LINEARS = re.compile(
+    r"(lm_head|input_mix_weight_up|linear_attn\.out_proj|shared_expert\.down_proj|self_attn\.o_proj|fc_embedding|"
+    r"fc_hidden|visual\..*(attn\.proj|attn\.qkv|linear_fc\d))\.weight$"
+)
 
 
 def state_bytes(
