@@ -154,22 +154,10 @@ class Int8Group(Group):
 
     @classmethod
     def from_group(cls, group: Group) -> tuple[Int8Group, list[Int8Linear]]:
-        """Quantize a float `Group`'s members into one int8 weight -> (the group, its members in order)."""
-        weights = [m.weight.detach() for m in group.members]
-        dtype = weights[0].dtype
-        q, s = quantize_int8(torch.cat(weights), compute_dtype(dtype))
-        biases = [getattr(m, "bias", None) for m in group.members]
-        bias = None
-        if any(b is not None for b in biases):
-            pairs = zip(biases, weights, strict=True)
-            bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in pairs])
-        members, row = [], 0
-        for w, b in zip(weights, biases, strict=True):
-            n = w.shape[0]
-            mb = None if b is None else bias[row : row + n]
-            members.append(Int8Linear(q[row : row + n], s[row : row + n], mb, dtype))
-            row += n
-        return cls(members, q, s, bias), members
+        """Quantize a float `Group`'s members into one int8 weight -> (the group, its members in order). Rows are
+        quantized one by one (`quantize_int8` is per output row), so member by member is the same as all at once."""
+        members = [Int8Linear.from_float(m.weight.detach(), getattr(m, "bias", None)) for m in group.members]
+        return cls.from_members(members), members
 
     @classmethod
     def from_members(cls, members: list[Int8Linear]) -> Int8Group:
