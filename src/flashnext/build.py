@@ -117,7 +117,7 @@ def from_pretrained(
     _load_weights(model, path, style, skip)
     fill_quantized_tables(model)  # ngram_storage="nf4": quantised from the files, shard by shard
     if int_q is not None:
-        fill_int_modules(model, path, int_q)
+        fill_int_modules(model, int_q)
     return model.eval()
 
 

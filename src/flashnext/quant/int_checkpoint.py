@@ -75,6 +75,7 @@ class IntLoad:
     groups: list = field(default_factory=list)  # (owner module, attribute, [member names])
     skip_ours: frozenset = frozenset()  # our tensor names fill_int_modules fills
     skip_disk: frozenset = frozenset()  # the disk keys it reads
+    headers: dict = field(default_factory=dict)  # the checkpoint's headers, read once (`read_headers`)
 
 
 def use_int_modules(
@@ -114,7 +115,7 @@ def use_int_modules(
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, new)
     filled = {f"{n}.{k}" for n in ours for k in model.get_submodule(n).state_dict(keep_vars=True)}
-    return IntLoad(scheme, style, ours, groups, frozenset(filled), frozenset(disk_keys))
+    return IntLoad(scheme, style, ours, groups, frozenset(filled), frozenset(disk_keys), headers)
 
 
 def _check(model, ours: dict[str, str], scheme: IntScheme, style: str, headers: dict) -> tuple[list[str], set[str]]:
@@ -158,12 +159,10 @@ def _check(model, ours: dict[str, str], scheme: IntScheme, style: str, headers: 
 
 
 @torch.no_grad()
-def fill_int_modules(model: nn.Module, path: str | Path, load: IntLoad) -> None:
+def fill_int_modules(model: nn.Module, load: IntLoad) -> None:
     """Copy the codes, scales (and biases) into the quantized modules `use_int_modules` made, tensor by tensor; then
     join same-input projections into `Int8Group`s and record the scheme on `model.stored_quant`."""
-
-    files, weight_map = checkpoint_files(path)
-    headers, _, _ = read_headers(files, weight_map)
+    headers = load.headers
     reader = StreamReader()
     try:
         for name, kind in load.modules.items():
