@@ -94,13 +94,7 @@ class Experts(nn.Module):
         per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM); in bf16 `_dense` wins (oneDNN's bf16 dot
         products: 0.69 against 0.93 ms), and run eagerly this would materialise [A, 2I, D] products.
         """
-        T, k = weights.shape
-        token = torch.arange(flat_e.numel(), device=x.device) // k
-        xa = x.index_select(0, token)  # [A, D]
-        gate, up = (self.gate_up_proj[flat_e] * xa[:, None, :]).sum(-1).chunk(2, dim=-1)  # [A, I] each
-        h = F.silu(gate) * up
-        out = (self.down_proj[flat_e] * h[:, None, :]).sum(-1) * weights.reshape(-1, 1)  # [A, D]
-        return out.view(T, k, -1).sum(1)
+        return reduced_experts(x, flat_e, weights, self.gate_up_proj, self.down_proj)
 
     def _dense(self, x, experts, weights):
         """Every expert on every token, outputs summed with the routing weights (0 for an unchosen expert).
@@ -174,6 +168,25 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def reduced_experts(x, flat_e, weights, gate_up, down, gate_up_scale=None, down_scale=None) -> torch.Tensor:
+    """`Experts._reduced`'s computation -> [T, D]: each assignment's expert rows gathered from `gate_up` [E, 2I, D]
+    / `down` [E, D, I] and multiplied into sums over the input dim, in x's dtype; int8 codes (`quant.int_experts`)
+    come with a row scale per expert output (`[E, 2I]` / `[E, D]`, multiplied into the sums) and run in fp32."""
+    dtype = x.dtype if gate_up_scale is None else torch.float32
+    T, k = weights.shape
+    token = torch.arange(flat_e.numel(), device=x.device) // k
+    xa = x.to(dtype).index_select(0, token)  # [A, D]
+    gu = (gate_up[flat_e].to(dtype) * xa[:, None, :]).sum(-1)  # [A, 2I]
+    if gate_up_scale is not None:
+        gu = gu * gate_up_scale[flat_e].to(dtype)
+    gate, up = gu.chunk(2, dim=-1)  # [A, I] each
+    h = F.silu(gate) * up
+    out = (down[flat_e].to(dtype) * h[:, None, :]).sum(-1)  # [A, D]
+    if down_scale is not None:
+        out = out * down_scale[flat_e].to(dtype)
+    return (out * weights.reshape(-1, 1).to(dtype)).view(T, k, -1).sum(1)
 
 
 class SparseMoE(nn.Module):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.errors import ConfigError
+from flashnext.model.moe import reduced_experts
 from flashnext.model.state import TRAIN_STEP, Step
 from flashnext.quant.int_linear import compute_dtype, dequantize_int8, int8_linear, quantize_int8, use_reference
 
@@ -201,14 +202,7 @@ class QuantExperts(nn.Module):
         fused `x.to(bf16)` in fp32 anyway (no rounding), and no kernel here needs bf16. Run eagerly (or by a
         backend without code generation) it materialises [A, 2I, D] fp32 products: only the compiled step calls it.
         """
-        T, k = weights.shape
-        token = torch.arange(flat_e.numel(), device=x.device) // k
-        xa = x.float().index_select(0, token)  # [A, D]
-        gu = (self.gate_up_q[flat_e].float() * xa[:, None, :]).sum(-1) * self.gate_up_s[flat_e].float()
-        gate, up = gu.chunk(2, dim=-1)  # [A, I] each
-        h = F.silu(gate) * up
-        out = (self.down_q[flat_e].float() * h[:, None, :]).sum(-1) * self.down_s[flat_e].float()  # [A, D]
-        return (out * weights.reshape(-1, 1).float()).view(T, k, -1).sum(1)
+        return reduced_experts(x, flat_e, weights, self.gate_up_q, self.down_q, self.gate_up_s, self.down_s)
 
     def _gathered(self, x, flat_e, weights):
         k = weights.shape[1]
