@@ -28,20 +28,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_vs_reference import CONFIG, forward_backward_fn, load_average, load_harness, median_seconds  # noqa: E402
+from model_vs_reference import (  # noqa: E402
+    CONFIG,
+    forward_backward_fn,
+    load_average,
+    load_harness,
+    median_seconds,
+    op_self_times,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def op_shares(fn) -> dict[str, float]:
     """One run of `fn` under torch.profiler: every op's share of the run's self CPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    total = sum(e.self_cpu_time_total for e in events)
-    return {e.key: e.self_cpu_time_total / total for e in events}
+    times = op_self_times(fn)
+    total = sum(times.values())
+    return {key: t / total for key, t in times.items()}
 
 
 def main(argv=None) -> int:

@@ -152,16 +152,21 @@ def check_parity(ours, ref, seq: int, vocab: int, tol: float, exact=None) -> flo
     return err
 
 
-def profile_shares(fn, seq: int, top: int) -> None:
-    """One more run of `fn` under torch.profiler: the `top` ops by self CPU time, as shares of the run's total."""
+def op_self_times(fn) -> dict[str, float]:
+    """One run of `fn` under torch.profiler: every op's self CPU time (us), by op name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    total = sum(e.self_cpu_time_total for e in events)
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    shares = " ".join(f"{e.key}={e.self_cpu_time_total / total:.3f}" for e in events[:top])
+    return {e.key: e.self_cpu_time_total for e in prof.key_averages() if e.self_cpu_time_total > 0}
+
+
+def profile_shares(fn, seq: int, top: int) -> None:
+    """One more run of `fn` under torch.profiler: the `top` ops by self CPU time, as shares of the run's total."""
+    times = op_self_times(fn)
+    total = sum(times.values())
+    ranked = sorted(times.items(), key=lambda kv: kv[1], reverse=True)
+    shares = " ".join(f"{key}={t / total:.3f}" for key, t in ranked[:top])
     print(f"# seq={seq} profile ours fwd_bwd ({total / 1e6:.2f} s self CPU) top ops: {shares}", flush=True)
 
 
