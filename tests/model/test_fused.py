@@ -118,23 +118,63 @@ def test_skinny_linear_equals_f_linear(contiguous):
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
 
 
-def test_compiled_one_row_product_equals_f_linear():
-    """Inside a compiled graph a one-row fp32 product with a large weight is a reduction (`fused.REDUCED_GEMV_MIN`);
-    traced here by dynamo and run without code generation ("eager" backend). fp32 sums in another order: 1e-5."""
-    w = torch.randn(fused.REDUCED_GEMV_MIN // 256, 256)
-    b = torch.randn(w.shape[0])
-    x = torch.randn(1, 256)
+def _graph_ops(fn, *args):
+    """fn compiled by dynamo without code generation: (its output, the ops of the traced graph, its inputs)."""
     graphs = []
 
     def backend(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, example_inputs))
         return gm.forward
 
-    compiled = torch.compile(lambda x: fused.linear(x, w, b, fused=True), backend=backend, fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
-    assert any("sum" in op for op in ops) and not any(op.endswith(("mm", "linear")) for op in ops), ops
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    gm, inputs = graphs[0]
+    return out, {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}, inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_few_row_product_is_a_reduction_equal_to_f_linear(dtype):
+    """Inside a compiled graph a product of at most `fused.REDUCED_ROWS` rows is a reduction in fp32
+    (`fused.reduced_linear`); more rows stay a GEMM. fp32 sums in another order than MKL: 1e-5; bf16 rounds once at
+    the end in both (fp32 accumulation), so the two differ by at most one bf16 rounding step: 1e-2 relative."""
+    w, b = torch.randn(96, 256, dtype=dtype), torch.randn(96, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    for rows in (1, 3, fused.REDUCED_ROWS, fused.REDUCED_ROWS + 1):
+        x = torch.randn(rows, 256, dtype=dtype)
+        got, ops, _ = _graph_ops(lambda x: fused.linear(x, w, b, fused=True), x)
+        torch.testing.assert_close(got, F.linear(x, w, b), **tol)
+        reduced = any("sum" in op for op in ops) and not any(op.endswith(("mm", "linear")) for op in ops)
+        assert reduced == (rows <= fused.REDUCED_ROWS), (rows, ops)
+
+
+@pytest.mark.slow
+def test_reduced_product_under_inductor_equals_f_linear():
+    """The generated code (inductor) of the reduction, fp32 and bf16 weights, 1 and REDUCED_ROWS rows."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        w, b = torch.randn(300, 200, dtype=dtype), torch.randn(300, dtype=dtype)
+        compiled = torch.compile(lambda x, w=w, b=b: fused.linear(x, w, b, fused=True), fullgraph=True, dynamic=False)
+        for rows in (1, fused.REDUCED_ROWS):
+            x = torch.randn(rows, 200, dtype=dtype)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+def test_compiled_group_product_reads_the_bf16_weight_not_its_fp32_copy():
+    """A group's fp32 copy serves eager few-row products; inside a compiled graph the reduction reads the bf16
+    weight itself (half the bytes) and upcasts as it reads."""
+    mods = [nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(64, 16, dtype=torch.bfloat16)]
+    group = fused.Group(*mods)
+    group.build()
+    assert group._fp32 is not None
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    (a, b), ops, inputs = _graph_ops(lambda x: group(x, fused=True), x)
+    ref = [F.linear(x.float(), m.weight.float(), m.bias.float()) for m in mods]
+    # fp32 sums of 64 terms in another order, then one rounding each: at most one bf16 step apart (2^-8 relative)
+    torch.testing.assert_close(a.float(), ref[0], rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(b.float(), ref[1], rtol=2**-7, atol=1e-2)
+    assert not any(op.endswith("mm") for op in ops), ops
+    weights = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == 64]
+    assert weights and all(t.dtype == torch.bfloat16 for t in weights), [(t.shape, t.dtype) for t in weights]
 
 
 @pytest.mark.parametrize("T", [1, 3, 40])
