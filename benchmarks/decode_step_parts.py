@@ -1,0 +1,138 @@
+"""Where a compiled decode step's time goes: the engine's host work, dynamo's guards, the graph's wrapper, kernels.
+
+    python benchmarks/decode_step_parts.py [--batches 1 4 16] [--dtype float32] [--kernels 8]
+
+Model: `vs_llamacpp.py`'s variant of the 31M benchmark config (vocab 4096), random weights, the engine with its
+decode graph compiled for each batch (inductor). Per batch, after warm-up, alternating 3 rounds of each:
+- `step_ms`: `Engine.step` of decode-only steps (scheduler, the graph, sampling, bookkeeping), median of 64;
+- `graph_ms`: the compiled step alone on the same inputs (`DecodeGraph._compiled[N]`), median of 64;
+- from one profiled run of the compiled step (torch profiler, self CPU time per step): `guards_ms` (dynamo's cache
+  lookup: its guard evaluation), `wrapper_ms` (the compiled graph's Python wrapper: buffer allocation, size
+  asserts, kernel calls), `kernels_ms` (inductor's generated kernels and the aten ops they call; with inductor's
+  `cpp.enable_kernel_profile` so each generated kernel is its own row), and the `--kernels` heaviest kernels.
+The load average is printed: parts timed at a load above the thread count are not results (every OpenMP barrier
+of a generated kernel stretches then).
+
+Output:
+    batch=<B> dtype=<d> step_ms=<x> graph_ms=<y> host_ms=<x - y> guards_ms=<g> wrapper_ms=<w> kernels_ms=<k> load=<l>
+      <share>% <us> us/step <calls>/step <kernel name>      (the heaviest kernels, with --kernels N)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def _vs_llamacpp():
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", HERE / "vs_llamacpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine_for(batch: int, dtype: torch.dtype, seed: int):
+    from flashnext.build import build_model
+    from flashnext.config import parse_config
+    from flashnext.serve.engine import Engine
+
+    model = build_model(parse_config(_vs_llamacpp().variant_config()), seed=seed, dtype=dtype)
+    engine = Engine(model, max_slots=batch, max_model_len=32 + 64 + 1, decode_graph=True, decode_buckets=[batch])
+    engine.decode_graph.warmup()
+    return engine
+
+
+def step_ms(engine, batch: int, gen: torch.Generator) -> float:
+    """Median `Engine.step` of the decode-only steps of `batch` greedy requests (32-token prompts, 64 tokens)."""
+    from flashnext.serve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for p in torch.randint(0, engine.model.config.vocab_size, (batch, 32), generator=gen).tolist():
+        engine.add_request(p, params)
+    times = []
+    while engine.has_unfinished():
+        prefill = bool(engine.waiting) or any(r.num_cached < len(r.prompt_ids) for r in engine.running)
+        t0 = time.perf_counter()
+        engine.step()
+        if not prefill:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def graph_ms(engine, batch: int, n: int = 64) -> float:
+    """Median of the compiled step alone (padding-free inputs: every slot decodes after 40 cached tokens)."""
+    dg = engine.decode_graph
+    inputs = dg._inputs([1] * batch, list(range(batch)), [40] * batch, batch)
+    times = []
+    with torch.inference_mode():
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dg._compiled[batch](*inputs)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Self CPU ms per step of the guards, the wrapper and the kernels; the kernels as (name, ms, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dg = engine.decode_graph
+    inputs = dg._inputs([1] * batch, list(range(batch)), [40] * batch, batch)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            dg._compiled[batch](*inputs)
+    out = {"guards_ms": 0.0, "wrapper_ms": 0.0, "kernels_ms": 0.0}
+    kernels = []
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1e3 / steps
+        if e.key == "TorchDynamo Cache Lookup":
+            out["guards_ms"] += ms
+        elif e.key.startswith("## Call CompiledFxGraph"):
+            out["wrapper_ms"] += ms
+        elif e.key.startswith(("graph_", "aten::")):
+            out["kernels_ms"] += ms
+            kernels.append((e.key, ms, e.count // steps))
+    return out, sorted(kernels, key=lambda k: -k[1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kernels", type=int, default=0, help="list the N heaviest kernels of each batch")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True  # a profiler row per generated kernel (a hook per kernel call)
+    dtype = getattr(torch, args.dtype)
+    for batch in args.batches:
+        engine = engine_for(batch, dtype, args.seed)
+        gen = torch.Generator().manual_seed(args.seed)
+        steps, graphs = [], []
+        for _ in range(3):
+            steps.append(step_ms(engine, batch, gen))
+            graphs.append(graph_ms(engine, batch))
+        step, graph = statistics.median(steps), statistics.median(graphs)
+        split, kernels = parts(engine, batch)
+        shown = " ".join(f"{k}={v:.2f}" for k, v in split.items())
+        print(f"batch={batch} dtype={args.dtype} step_ms={step:.2f} graph_ms={graph:.2f} host_ms={step - graph:.2f} "
+              f"{shown} load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        total = sum(ms for _, ms, _ in kernels) or 1.0
+        for name, ms, calls in kernels[: args.kernels]:
+            print(f"  {100 * ms / total:5.1f}% {ms * 1e3:7.1f} us/step {calls:3d}/step {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
