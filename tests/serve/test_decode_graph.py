@@ -18,6 +18,7 @@ from serve_helpers import run_step, small_model
 from spec_helpers import compare_greedy, run_mixed, spec_model
 
 from flashnext.errors import ConfigError
+from flashnext.model import fused
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph, bucket_sizes
 from flashnext.serve.engine import Engine
@@ -129,6 +130,37 @@ def test_weight_updates_reach_the_compiled_step(model):
         torch.testing.assert_close(got2, want2, **TOL)
         assert not torch.allclose(got2, got)
     assert graph.compiles == 1
+
+
+def test_python_values_are_baked_into_the_graph_and_not_guarded(model, monkeypatch):
+    """The decode graph keeps only tensor guards (module doc): a Python value the step read while compiling stays
+    as it was (here the fused products' row bound: the compiled step keeps its reductions after the bound drops to
+    0, without recompiling, and still equals the eager step), while a weight replaced by one of other strides still
+    recompiles the step (its tensor guard)."""
+    prompts, slots = _prompts(2, 3), [0, 1]
+    cache = _prefilled(model, prompts, slots)
+    graph = DecodeGraph(model, cache, buckets=[2], backend="aot_eager")
+    cached = [len(p) for p in prompts]
+    snapshot = [b.clone() for b in cache.buffers()]
+    with torch.inference_mode():
+        graph.run([5, 6], slots, cached)
+        monkeypatch.setattr(fused, "REDUCED_ROWS", 0)
+        for b, s in zip(cache.buffers(), snapshot, strict=True):
+            b.copy_(s)
+        got = graph.run([5, 6], slots, cached).clone()
+        assert graph.compiles == 1
+        for b, s in zip(cache.buffers(), snapshot, strict=True):
+            b.copy_(s)
+        torch.testing.assert_close(got, run_step(model, cache, [(0, cached[0], [5]), (1, cached[1], [6])]), **TOL)
+        head = model.lm_head
+        head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t(), requires_grad=False)  # strides
+        for b, s in zip(cache.buffers(), snapshot, strict=True):
+            b.copy_(s)
+        got = graph.run([5, 6], slots, cached).clone()
+        assert graph.compiles == 2
+        for b, s in zip(cache.buffers(), snapshot, strict=True):
+            b.copy_(s)
+        torch.testing.assert_close(got, run_step(model, cache, [(0, cached[0], [5]), (1, cached[1], [6])]), **TOL)
 
 
 def test_speculating_requests_stay_eager_and_exact(small_config):
