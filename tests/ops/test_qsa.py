@@ -133,7 +133,19 @@ def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, mon
             torch.cat(iq_rows), block_keys, tok_slot, tok_pos, max_visible, ratio, topk, slot=0
         )
         assert all(torch.equal(a, b) for a, b in zip(shared, (blocks, ok), strict=True))
-    out = qsa_cached.sparse_attention_cached(
-        torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio
-    )
+    args = (torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio)
+    out = qsa_cached.sparse_attention_cached(*args)
     torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-6)
+    if (ratio, topk) != (4, 3):
+        return  # the traced twin below on one ratio: its cases take seconds each
+    # traced by dynamo (as in the compiled decode step) the products are reductions: the same values
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()  # a fresh cache per case: the parametrised cases would exceed the recompile limit
+    traced = torch.compile(qsa_cached.sparse_attention_cached, backend=backend, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(traced(*args), torch.cat(expected), rtol=1e-5, atol=1e-6)
+    assert not any("matmul" in op or "bmm" in op for op in ops), ops
