@@ -64,10 +64,22 @@ def test_prefill_then_continue_equals_whole():
     torch.testing.assert_close(f2, f_all, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["new-state", "in-place"])
-def test_decode_step_matches_recurrent(in_place):
-    """`gated_delta_step` over N sequences, one token at a time, == the recurrence (outputs and final states)."""
+def test_decode_step_matches_recurrent(in_place, traced):
+    """`gated_delta_step` over N sequences, one token at a time, == the recurrence (outputs and final states);
+    traced by dynamo (as in the compiled decode step: its broadcast-sum form, no bmm) too."""
     from flashnext.ops.deltanet_step import gated_delta_step
+
+    if traced:
+        ops = set()
+
+        def backend(gm, example_inputs):
+            ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        torch._dynamo.reset()
+        gated_delta_step = torch.compile(gated_delta_step, backend=backend, fullgraph=True, dynamic=False)
 
     N, L = 3, 5
     q, k, v, decay, beta = (t.detach() for t in _inputs([0, N * L]))
@@ -85,6 +97,8 @@ def test_decode_step_matches_recurrent(in_place):
     got_o = torch.stack(outs, 1).reshape(N * L, *outs[0].shape[1:])
     torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+    if traced:
+        assert ops and not any("bmm" in op for op in ops), ops
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 Legend: N sequences (one token each), H value heads, K key dim, V value dim. State S: fp32 [N, H, K, V].
 Same per-token math as `recurrent_gated_delta_rule`, batched over N without a Python loop; the state products
-run as batched matrix-vector products (`bmm`/`baddbmm`), three passes over the state.
+run as batched matrix-vector products (`bmm`/`baddbmm`), three passes over the state; traced by dynamo (a compiled
+decode step) as broadcast sums that inductor fuses into two (`_step_sums`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def gated_delta_step(
     N, H, K = k.shape
     V = v.shape[-1]
     decay = g.float().exp()
+    if torch.compiler.is_dynamo_compiling():
+        return _step_sums(q, k, v.float(), decay, beta.float(), state, in_place, out_dtype)
     S = state.float().reshape(N * H, K, V)
     # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
     pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
@@ -44,3 +47,19 @@ def gated_delta_step(
     S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
     o = torch.bmm(q.reshape(N * H, 1, K), S).view(N, H, V)
     return o.to(out_dtype), S.view(N, H, K, V)
+
+
+def _step_sums(q, k, v, decay, beta, state, in_place: bool, out_dtype):
+    """`gated_delta_step`'s products as broadcast sums, for inductor (a compiled decode step): the matvecs and the
+    rank-1 update fuse into two passes over the state (one reading it for `pred`, one writing the new state and
+    summing the output) instead of three extern `bmm`/`baddbmm` calls and a scaled copy. Same math, fp32, another
+    summation order."""
+    S = state.float()  # [N, H, K, V]
+    pred = (k[..., :, None] * S).sum(-2) * decay[..., None]  # [N, H, V]
+    delta = (v - pred) * beta[..., None]
+    new = S * decay[..., None, None] + k[..., :, None] * delta[..., None, :]
+    o = (q[..., :, None] * new).sum(-2)
+    if in_place:
+        state.copy_(new)
+        new = state
+    return o.to(out_dtype), new
