@@ -69,10 +69,26 @@ def test_costs_from_step_times():
     assert c == pytest.approx(0.25) and v == pytest.approx(4 * (y - 0.008) / x / 0.008)
     assert (y - 0.008) / x > 0.0005  # the average cost per token, overhead included, above the line's slope
     req = object.__new__(type("R", (), {}))
-    auto.rate = 0.5
-    auto.observe(req, 3, 1)  # one success, one failure
-    r = 0.5 + 0.15 * (1 - 0.5)
-    assert auto.rates[req] == pytest.approx(r + 0.15 * (0 - r))
+    auto.observe(req, 3, 1)  # position 1 accepted, position 2 rejected, position 3 not tried
+    assert auto.rates[req] == pytest.approx([0.5 + 0.15 * 0.5, 0.5 - 0.15 * 0.5, 0.5, 0.5])
+    assert auto.rate == pytest.approx([0.5 + 0.02 * 0.5, 0.5 - 0.02 * 0.5, 0.5, 0.5])
+
+
+def test_acceptance_is_kept_per_draft_position():
+    """A head whose first draft is always right and whose later drafts are always wrong: the per-position rates
+    learn exactly that (E(k) = 2 for every k >= 1), so the choice is k = 1, where one pooled rate (~0.5 from one
+    success and one failure per step) would buy a second draft that never pays."""
+    auto = AutoSpec(fixed=(0.1, 0.02))
+    req = object.__new__(type("R", (), {}))
+    for _ in range(60):
+        auto.observe(req, 2, 1)
+    r = auto.rates[req]
+    assert r[0] > 0.99 and r[1] < 0.01 and r[2:] == [0.5, 0.5]
+    assert expected_tokens(r, 1) == pytest.approx(1 + r[0]) and expected_tokens(r, 4) == pytest.approx(2.0, abs=0.02)
+    assert auto.draft_count(req, 4) == 1
+    assert choose_k(0.5, 0.1, 0.02, 4) == 2  # the pooled rate's choice
+    assert expected_tokens([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # past the list: its last rate
+    assert expected_tokens([0.7] * 4, 4) == pytest.approx(expected_tokens(0.7, 4))
 
 
 def test_auto_needs_no_head_and_refuses_other_strings(small_config):

@@ -1,9 +1,9 @@
 """Adaptive speculative decoding (`num_speculative_tokens="auto"`): draft only where it pays, per request.
 
 Drafting k tokens costs k draft steps (the MTP head: its cell step, then chained steps) and k more fed tokens per
-request in the verify step; it yields the accepted drafts plus the target's one token. With a per-position
-acceptance a (each draft accepted with probability a once the ones before it were), a verify step with k drafts
-emits E(k) = 1 + a + a^2 + ... + a^k tokens on average. Measured against a plain step of the same batch (time t0):
+request in the verify step; it yields the accepted drafts plus the target's one token. With per-position
+acceptances a_1, a_2, ... (draft j accepted with probability a_j once the ones before it were), a verify step with
+k drafts emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on average. Measured against a plain step of the same batch (time t0):
 - c = (time of one draft step) / t0, the draft's cost ratio;
 - v = B * m / t0, where m is the marginal time of one more fed token in the step and B the batch: every request
   of the batch feeding k more tokens adds B*k*m. v grows with the batch: past the batch where verification stops
@@ -12,8 +12,11 @@ Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + 
 k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
 
 `AutoSpec` keeps what the choice needs:
-- per request, an exponentially weighted acceptance (each verified draft a Bernoulli trial: accepted drafts are
-  successes, the first rejected one a failure), seeded from the engine-wide rate (itself seeded at `prior_rate`);
+- per request and draft position, an exponentially weighted acceptance (each verified draft a Bernoulli trial of
+  its position: accepted drafts are successes, the first rejected one a failure, the positions after it not
+  tried), seeded from the engine-wide rates (themselves seeded at `prior_rate`). Per position because a head's
+  first draft, one step from the trunk's residual, is accepted far more often than the chained ones after it (the
+  trained tiny head: ~0.8 against ~0.5): one pooled rate under-rates k = 1 and over-rates long drafts;
 - per batch bucket (powers of two), the step time as a decayed least-squares line in the tokens fed beyond one
   per request (intercept t0, slope m), from decode-only steps; and the draft time per draft step. Until a bucket
   has two distinct points the `prior_c` / `prior_v` ratios stand in. Tests inject fixed ratios (`fixed`).
@@ -36,18 +39,22 @@ import weakref
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a verify step with k drafts emits on average at per-position acceptance a: sum_{i=0..k} a^i."""
+def expected_tokens(a, k: int) -> float:
+    """Tokens a verify step with k drafts emits on average. `a`: one acceptance for every draft position
+    (sum_{i=0..k} a^i), or per-position rates a[j] (draft j+1 accepted given the ones before it were:
+    1 + a[0] + a[0] a[1] + ...; positions past the list take its last rate)."""
+    rates = [float(a)] if isinstance(a, (int, float)) else [float(x) for x in a]
     total, term = 1.0, 1.0
-    for _ in range(k):
-        term *= a
+    for j in range(k):
+        term *= rates[min(j, len(rates) - 1)]
         total += term
     return total
 
 
-def choose_k(a: float, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
-    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc); 0 when no k > 0
-    beats plain decoding by `min_gain`. Ties (within 1e-9) go to the shorter draft."""
+def choose_k(a, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
+    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc; `a` one acceptance
+    or per-position rates, as `expected_tokens`); 0 when no k > 0 beats plain decoding by `min_gain`. Ties
+    (within 1e-9) go to the shorter draft."""
     gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
     top = max(gains)
     best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
@@ -91,7 +98,7 @@ class AutoSpec:
     Args:
         k_max: the longest draft.
         fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
-        prior_rate: the engine-wide acceptance before any verification.
+        prior_rate: the engine-wide acceptance of every draft position before any verification.
         prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
@@ -105,12 +112,12 @@ class AutoSpec:
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
                  calibrate_every: int = 64):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
-        self.rate = prior_rate
+        self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
         self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
         self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
         self.calibrate_every = calibrate_every
-        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
+        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> acceptance per position
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
@@ -125,12 +132,13 @@ class AutoSpec:
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
-        """One verify step of `req`: `accepted` of its `drafted` drafts."""
-        r = self.rates.get(req, self.rate)
+        """One verify step of `req`: `accepted` of its `drafted` drafts (positions 0..accepted-1 succeeded, position
+        `accepted` failed when it was drafted, the later ones were not tried)."""
+        r = self.rates.get(req) or list(self.rate)
         trials = [1.0] * accepted + ([0.0] if accepted < drafted else [])
-        for x in trials:
-            r += self.alpha * (x - r)
-            self.rate += self.global_alpha * (x - self.rate)
+        for j, x in enumerate(trials[: len(r)]):
+            r[j] += self.alpha * (x - r[j])
+            self.rate[j] += self.global_alpha * (x - self.rate[j])
         self.rates[req] = r
 
     # ---- costs -------------------------------------------------------------------------------------------
