@@ -31,16 +31,29 @@ def gated_delta_step(
     Returns:
         o [N, H, V] in v's dtype and the new fp32 state [N, H, K, V].
     """
-    out_dtype = v.dtype
     q, k = prepare_qk(q, k)
+    o, S = prepared_delta_step(q, k, v, g.float().exp(), beta, state, in_place)
+    return o.to(v.dtype), S
+
+
+def prepared_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_step` on inputs already prepared (`prepare_qk`'s q and k, `decay` = exp(g) in fp32), so a
+    caller stepping through several positions prepares them once. Returns o in fp32 and the new state."""
     N, H, K = k.shape
     V = v.shape[-1]
-    decay = g.float().exp()
     S = state.float().reshape(N * H, K, V)
     # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
     pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
     delta = (v.float() - pred) * beta.float()[..., None]
     out = S if in_place else None
-    S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
+    S = torch.baddbmm(S * decay.reshape(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
     o = torch.bmm(q.reshape(N * H, 1, K), S).view(N, H, V)
-    return o.to(out_dtype), S.view(N, H, K, V)
+    return o, S.view(N, H, K, V)
