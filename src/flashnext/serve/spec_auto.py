@@ -3,7 +3,8 @@
 Drafting k tokens costs k draft steps (the MTP head: its cell step, then chained steps) and k more fed tokens per
 request in the verify step; it yields the accepted drafts plus the target's one token. With per-position
 acceptances a_1, a_2, ... (draft j accepted with probability a_j once the ones before it were), a verify step with
-k drafts emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on average. Measured against a plain step of the same batch (time t0):
+k drafts emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on average. Measured against a plain step of
+the same batch (time t0):
 - c = (time of one draft step) / t0, the draft's cost ratio;
 - v = B * m / t0, where m is the marginal time of one more fed token in the step and B the batch: every request
   of the batch feeding k more tokens adds B*k*m. v grows with the batch: past the batch where verification stops
