@@ -183,6 +183,27 @@ def test_auto_turns_off_when_verification_costs(model, plain):
     assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []
 
 
+class _FirstDraftRight(KnownDrafts):
+    """Draft 1 from the plain continuation, every later draft wrong: the trained head's pattern, exaggerated."""
+
+    def __call__(self, reqs, want, logits, r_last) -> None:
+        super().__call__(reqs, want, logits, r_last)
+        for req in reqs:
+            req.drafts = req.drafts[:1] + [(t + 1) % self.vocab for t in req.drafts[1:]]
+
+
+def test_auto_drafts_one_when_only_the_first_draft_is_right(model, plain):
+    """Only the first draft is ever accepted: each request settles on k = 1 (E(k) = 2 for every k >= 1, so more
+    drafts only cost), where a rate pooled over positions (~0.5) would keep asking for 2; same tokens."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    _FirstDraftRight(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert all(engine.spec_auto.last_k[r] == 1 for r in got), [engine.spec_auto.last_k[r] for r in got]
+    assert engine.stats.acceptance_rate > 0.8
+
+
 class _Req:
     """A stand-in request: what `AutoSpec.before_step` reads and writes."""
 
