@@ -183,6 +183,17 @@ def test_auto_turns_off_when_verification_costs(model, plain):
     assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []
 
 
+def test_no_probes_where_certain_drafts_would_gain_a_few_percent(model, plain):
+    """Costs c + v = 0.9: one certain draft would gain 2 / 1.9 = 1.05, inside the noise of measured costs, while
+    every probe is a speculative step: the requests step aside and never probe (a probe needs `probe_gain`)."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model, fixed=(0.45, 0.45))
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.5)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0
+
+
 class _FirstDraftRight(KnownDrafts):
     """Draft 1 from the plain continuation, every later draft wrong: the trained head's pattern, exaggerated."""
 

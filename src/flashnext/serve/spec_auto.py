@@ -27,8 +27,10 @@ one probe: the head restarts from its current position (cells skipped while it w
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
 updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
 doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
-would not pay at the current batch (its measured costs alone decide it), and once they are measured, queued
-requests that could not gain start plain. Calibration: after `calibrate_every` speculative decode steps of a
+would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
+speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
+only cost), and once they are measured, queued requests that could not gain as much start plain.
+Calibration: after `calibrate_every` speculative decode steps of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
@@ -103,6 +105,8 @@ class AutoSpec:
         prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
+        probe_gain: the gain drafts certain to be accepted must promise at the batch's measured costs before a
+            request that stepped aside probes again (or a queued request starts speculating).
         probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
             up to `max_backoff` times).
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
@@ -111,13 +115,13 @@ class AutoSpec:
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
         self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
         self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
-        self.calibrate_every = calibrate_every
+        self.calibrate_every, self.probe_gain = calibrate_every, probe_gain
         self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> acceptance per position
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
@@ -227,13 +231,13 @@ class AutoSpec:
     def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
         """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
         `probe_every` steps, doubling after each probe that did not bring the request back, up to `max_backoff`
-        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1).
+        times; none while even drafts certain to be accepted would not gain `probe_gain` at this batch).
         Queued requests not started yet start plain when the measured costs of the batch they will join say the
         same (no head cells for their prompts)."""
         self.batch = max(1, len(running))
         if waiting:
             joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
-            if self.measured(joined) and choose_k(1.0, *self.costs(joined), self.k_max, self.min_gain) == 0:
+            if self.measured(joined) and not self._could_pay(joined):
                 for parent in waiting:
                     for req in parent.choices or [parent]:
                         if req.spec_k and req.num_cached == 0 and req.params.num_speculative_tokens is None:
@@ -248,13 +252,17 @@ class AutoSpec:
                 self.plain_steps[req] = n + 1
                 continue
             if could_pay is None:
-                could_pay = choose_k(1.0, *self.costs(self.batch), self.k_max, self.min_gain) > 0
+                could_pay = self._could_pay(self.batch)
             if not could_pay:
                 self.plain_steps[req] = 0
                 continue
             del self.plain_steps[req]
             self.probing.add(req)
             req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+
+    def _could_pay(self, batch: int) -> bool:
+        """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
+        return choose_k(1.0, *self.costs(batch), self.k_max, max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
