@@ -242,3 +242,30 @@ def test_calibration_pauses_speculation_for_one_plain_step():
     reqs[0].num_cached = 11
     auto.before_step([*reqs, fixed])
     assert [r.spec_k for r in reqs] == [4, 4] and reqs[0].mtp_cells == 11
+
+
+def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
+    """The plain step time t0 takes a faster sample at once and averages a slower one in (shared-machine noise
+    only adds time); while a bucket has fewer than 3 plain samples, a calibration step comes after 8 speculative
+    steps, not `calibrate_every`."""
+    auto = AutoSpec(calibrate_every=64)
+    reqs = [_Req(10), _Req(20)]
+    spec = [(r, 1) for r in reqs]
+    for r in reqs:
+        r.spec_k = 0
+    auto.record_plan(spec, 0.030)  # a slow first plain sample
+    auto.record_plan(spec, 0.010)
+    assert auto.plain[2] == 0.010
+    auto.record_plan(spec, 0.020)
+    assert auto.plain[2] == pytest.approx(0.011)
+    for r in reqs:
+        r.spec_k = 4
+    for _ in range(8):
+        auto.before_step(reqs)
+        assert all(r.spec_k == 4 for r in reqs)
+        auto.record_plan(spec, 0.012)
+    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet
+    assert all(r.spec_k == 4 for r in reqs)
+    auto.plain_count[2] = 2  # fewer than 3 plain samples: calibrate now
+    auto.before_step(reqs)
+    assert [r.spec_k for r in reqs] == [0, 0]

@@ -133,6 +133,7 @@ class AutoSpec:
         self.batch = 1
         self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
+        self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
 
     # ---- acceptance --------------------------------------------------------------------------------------
@@ -164,7 +165,12 @@ class AutoSpec:
             return
         b = bucket(len(plan))
         if not any(req.spec_k for req, _ in plan):
-            self.plain[b] = seconds if b not in self.plain else self.plain[b] + 0.1 * (seconds - self.plain[b])
+            # Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is
+            # taken at once and a slower one averaged in (one slow early sample would otherwise pass for the
+            # plain cost until the next calibration, making every draft look cheap).
+            old = self.plain.get(b, seconds)
+            self.plain[b] = min(seconds, old + 0.1 * (seconds - old))
+            self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
@@ -266,14 +272,16 @@ class AutoSpec:
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one, pause its speculating requests for one step (a plain step to measure
-        against: without it a speculative step's fixed overhead would pass for plain cost)."""
+        decode steps without a plain one (8 while it has fewer than 3 plain ones measured), pause its speculating
+        requests for one step (a plain step to measure against: without it a speculative step's fixed overhead
+        would pass for plain cost)."""
         for req in list(self.paused):
             self.paused.discard(req)
             if not req.finished and req.spec_k == 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
         b = bucket(self.batch)
-        if self.fixed is not None or self.since_plain.get(b, 0) < self.calibrate_every:
+        due = self.calibrate_every if self.plain_count.get(b, 0) >= 3 else min(self.calibrate_every, 8)
+        if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         self.since_plain[b] = 0
         for req in running:
