@@ -31,17 +31,23 @@ Output:
 draft/verify costs, 0 where drafting does not pay); `spec_auto_min` is its lowest speedup over the batch sizes.
 `--deep` trains a deep thin variant instead (the tiny default with 24 layers: a draft step is a far smaller share
 of a target step, as in the released model) and adds `spec_auto_deep_b<first batch>`.
+`--decode-graph` runs plain decode steps as the compiled decode step (`Engine(decode_graph=True)`, the batch's bucket
+compiled once: minutes on this box, ~6x longer for `--deep`) while speculative steps (verify and drafts) stay eager:
+every k of a batch size then shares one engine (default "auto", a fixed k per request), so auto keeps what it
+measured across the runs, as a server would.
 
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --train-steps 60 --repeats 3 --save /tmp/spec-tiny
     python benchmarks/spec_decode.py --model /tmp/spec-tiny
     python benchmarks/spec_decode.py --deep --train-steps 100 --batches 1 4
     python benchmarks/spec_decode.py --model runs/tiny-sft/final --prompts sft --batches 1 --new-tokens 32
+    python benchmarks/spec_decode.py --model /tmp/spec-tiny --decode-graph --batches 1 --repeats 3 --new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -115,31 +121,52 @@ def sft_prompts(tok) -> list[list[int]]:
     return [ex.input_ids[: next(i for i, y in enumerate(ex.labels) if y != IGNORE_INDEX)] for ex in held_out]
 
 
-def run(model, batch_prompts: list[list[int]], k: int, new_tokens: int, slots: int | None = None, eos: bool = False):
+def run(model, batch_prompts: list[list[int]], k: int, new_tokens: int, slots: int | None = None, eos: bool = False,
+        engine: Engine | None = None):  # fmt: skip
     """(tok/s, engine stats, outputs) of one greedy generation with k draft tokens (`slots`: the engine's, default
-    one per prompt; `eos`: stop at EOS, else generate `new_tokens` each)."""
+    one per prompt; `eos`: stop at EOS, else generate `new_tokens` each). `engine`: run on this one (its default
+    "auto"; a fixed k per request) instead of a new one; its speculation counters restart."""
     longest = max(len(p) for p in batch_prompts)
-    engine = Engine(model, None, max_slots=slots or len(batch_prompts), max_model_len=longest + new_tokens + 1,
-                    max_num_batched_tokens=512, num_speculative_tokens=k)  # fmt: skip
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=not eos)
+    fixed = None if k == "auto" else k
+    if engine is None:
+        engine = Engine(model, None, max_slots=slots or len(batch_prompts), max_model_len=longest + new_tokens + 1,
+                        max_num_batched_tokens=512, num_speculative_tokens=k)  # fmt: skip
+        fixed = None
+    engine.stats.spec_drafted = engine.stats.spec_accepted = engine.stats.spec_verify_steps = 0  # this run's
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=not eos, num_speculative_tokens=fixed)
     t0 = time.perf_counter()
     outs = engine.generate(batch_prompts, params)
     seconds = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / seconds, engine.stats, [o.token_ids for o in outs]
+    stats = copy.copy(engine.stats)  # this run's counters (a shared engine's go on counting)
+    return sum(len(o.token_ids) for o in outs) / seconds, stats, [o.token_ids for o in outs]
 
 
-def bench(model, tok, batch: int, new_tokens: int, repeats: int, sft: list[list[int]] | None = None
-          ) -> dict[int, tuple[float, float, float, float, bool]]:  # fmt: skip
+def graph_engine(model, batch_prompts: list[list[int]], new_tokens: int, slots: int | None = None) -> Engine:
+    """One engine for every k of a batch size (`--decode-graph`): plain decode steps run its compiled decode
+    step (the bucket of this batch, compiled here, once), speculative ones stay eager; default k "auto", the
+    fixed k per request."""
+    longest = max(len(p) for p in batch_prompts)
+    slots = slots or len(batch_prompts)
+    engine = Engine(model, None, max_slots=slots, max_model_len=longest + new_tokens + 1, max_num_batched_tokens=512,
+                    num_speculative_tokens="auto", decode_graph=True, decode_buckets=[slots])  # fmt: skip
+    print(f"decode graph batch={slots}: compiled in {engine.decode_graph.warmup()[slots]:.0f}s", flush=True)
+    return engine
+
+
+def bench(model, tok, batch: int, new_tokens: int, repeats: int, sft: list[list[int]] | None = None,
+          decode_graph: bool = False) -> dict[int, tuple[float, float, float, float, bool]]:  # fmt: skip
     """Per k: (median tok/s, median speedup over k = 0 within a repeat, acceptance, mean accepted length, same
-    tokens as k = 0). `sft`: these prompts, all of them through `batch` slots, stopping at EOS."""
+    tokens as k = 0). `sft`: these prompts, all of them through `batch` slots, stopping at EOS. `decode_graph`:
+    every run on one engine whose plain decode steps are the compiled decode step (`graph_engine`)."""
     batch_prompts = prompts(tok, batch) if sft is None else sft
     slots, eos = (None, False) if sft is None else (batch, True)
     rates: dict[int, list[float]] = {k: [] for k in KS}
     last: dict[int, tuple] = {}
-    run(model, batch_prompts[:batch], 3, 8)  # warm-up (first-call allocations)
+    engine = graph_engine(model, batch_prompts, new_tokens, slots) if decode_graph else None
+    run(model, batch_prompts[:batch], 3, 8, engine=engine)  # warm-up (first-call allocations)
     for _ in range(repeats):
         for k in KS:
-            rate, stats, tokens = run(model, batch_prompts, k, new_tokens, slots, eos)
+            rate, stats, tokens = run(model, batch_prompts, k, new_tokens, slots, eos, engine)
             rates[k].append(rate)
             last[k] = (stats, tokens)
     out = {}
@@ -162,6 +189,11 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deep", action="store_true", help="a deep thin model: the tiny default with 24 layers")
     p.add_argument(
+        "--decode-graph",
+        action="store_true",
+        help="plain decode steps as the compiled decode step (one engine per batch size for every k)",
+    )
+    p.add_argument(
         "--prompts",
         choices=["corpus", "sft"],
         default="corpus",
@@ -181,7 +213,7 @@ def main(argv=None) -> None:
     results = {}
     sft = sft_prompts(tok) if args.prompts == "sft" else None
     for batch in args.batches:
-        results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats, sft)
+        results[batch] = bench(model, tok, batch, args.new_tokens, args.repeats, sft, args.decode_graph)
         for k in sorted(KS, key=str):
             rate, speedup, acc, length, same = results[batch][k]
             same = "yes" if same else "no"

@@ -81,3 +81,26 @@ def test_zero_window_is_the_fresh_sequence():
     torch.testing.assert_close(final, final2)
     torch.testing.assert_close(final[0], torch.cat([torch.zeros(2, 3, dtype=torch.float64), x[:4]]))
     torch.testing.assert_close(final[1], x[-6:])
+
+
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_equal_lengths_take_the_block_path_bit_for_bit(dilation, monkeypatch):
+    """Sequences of one length with windows (a speculative verify step) run `_equal_rows`, and its rows and final
+    windows equal, bit for bit, the general path's (the same taps summed in the same order): those sequences
+    followed by a shorter one, which sends the stream through the history layout."""
+    from flashnext.ops import conv
+
+    calls = []
+    fast = conv._equal_rows
+    monkeypatch.setattr(conv, "_equal_rows", lambda *a: calls.append(1) or fast(*a))
+    C, K, L, N = 6, 4, 4, 3
+    W = (K - 1) * dilation
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N * L + 2, C, generator=g)
+    w = torch.randn(C, K, generator=g)
+    window = torch.randn(N + 1, W, C, generator=g)
+    out, final = causal_conv1d_varlen(x[: N * L], _seg([L] * N), w, dilation, initial_window=window[:N])
+    assert calls == [1]
+    ref_out, ref_final = causal_conv1d_varlen(x, _seg([L] * N + [2]), w, dilation, initial_window=window)
+    assert calls == [1]  # the mixed stream took the general path
+    assert torch.equal(out, ref_out[: N * L]) and torch.equal(final, ref_final[:N])

@@ -161,3 +161,24 @@ def test_affine_form_equals_a_pass_from_the_first_sequences_state(cu):
     torch.testing.assert_close(o0 + torch.einsum("thk,hkv->thv", resp, s0), o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(A @ s0 + U, final[-1], rtol=1e-5, atol=1e-5)
     assert (not A.any()) == (N > 1)
+
+
+@pytest.mark.parametrize("cu", [[0, 4], [0, 5, 10, 15]], ids=["one-verify", "equal-verifies"])
+def test_equal_short_sequences_take_the_strided_path(cu, monkeypatch):
+    """Short sequences of one length (a speculative verify step: each request's last token and as many drafts) run
+    `_equal_short_gated_delta_rule` (preparation once, strided positions, the state stepped in place) and match the
+    recurrence; the state passed in is not modified. fp64 inputs, fp32 arithmetic inside: 1e-6."""
+    from flashnext.batch import make_segments
+    from flashnext.ops import deltanet
+
+    calls = []
+    fast = deltanet._equal_short_gated_delta_rule
+    monkeypatch.setattr(deltanet, "_equal_short_gated_delta_rule", lambda *a: calls.append(1) or fast(*a))
+    inputs = [t.detach() for t in _inputs(cu)]
+    init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    before = init.clone()
+    o, final = deltanet.gated_delta_rule(*inputs, make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1]), init)
+    assert calls == [1] and torch.equal(init, before)
+    ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
+    torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)

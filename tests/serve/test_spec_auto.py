@@ -69,10 +69,26 @@ def test_costs_from_step_times():
     assert c == pytest.approx(0.25) and v == pytest.approx(4 * (y - 0.008) / x / 0.008)
     assert (y - 0.008) / x > 0.0005  # the average cost per token, overhead included, above the line's slope
     req = object.__new__(type("R", (), {}))
-    auto.rate = 0.5
-    auto.observe(req, 3, 1)  # one success, one failure
-    r = 0.5 + 0.15 * (1 - 0.5)
-    assert auto.rates[req] == pytest.approx(r + 0.15 * (0 - r))
+    auto.observe(req, 3, 1)  # position 1 accepted, position 2 rejected, position 3 not tried
+    assert auto.rates[req] == pytest.approx([0.5 + 0.15 * 0.5, 0.5 - 0.15 * 0.5, 0.5, 0.5])
+    assert auto.rate == pytest.approx([0.5 + 0.02 * 0.5, 0.5 - 0.02 * 0.5, 0.5, 0.5])
+
+
+def test_acceptance_is_kept_per_draft_position():
+    """A head whose first draft is always right and whose later drafts are always wrong: the per-position rates
+    learn exactly that (E(k) = 2 for every k >= 1), so the choice is k = 1, where one pooled rate (~0.5 from one
+    success and one failure per step) would buy a second draft that never pays."""
+    auto = AutoSpec(fixed=(0.1, 0.02))
+    req = object.__new__(type("R", (), {}))
+    for _ in range(60):
+        auto.observe(req, 2, 1)
+    r = auto.rates[req]
+    assert r[0] > 0.99 and r[1] < 0.01 and r[2:] == [0.5, 0.5]
+    assert expected_tokens(r, 1) == pytest.approx(1 + r[0]) and expected_tokens(r, 4) == pytest.approx(2.0, abs=0.02)
+    assert auto.draft_count(req, 4) == 1
+    assert choose_k(0.5, 0.1, 0.02, 4) == 2  # the pooled rate's choice
+    assert expected_tokens([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # past the list: its last rate
+    assert expected_tokens([0.7] * 4, 4) == pytest.approx(expected_tokens(0.7, 4))
 
 
 def test_auto_needs_no_head_and_refuses_other_strings(small_config):
@@ -167,6 +183,38 @@ def test_auto_turns_off_when_verification_costs(model, plain):
     assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0 and spec_steps == []
 
 
+def test_no_probes_where_certain_drafts_would_gain_a_few_percent(model, plain):
+    """Costs c + v = 0.9: one certain draft would gain 2 / 1.9 = 1.05, inside the noise of measured costs, while
+    every probe is a speculative step: the requests step aside and never probe (a probe needs `probe_gain`)."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model, fixed=(0.45, 0.45))
+    KnownDrafts(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.5)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert engine.spec_auto.probes == 0 and engine.stats.spec_drafted == 0
+
+
+class _FirstDraftRight(KnownDrafts):
+    """Draft 1 from the plain continuation, every later draft wrong: the trained head's pattern, exaggerated."""
+
+    def __call__(self, reqs, want, logits, r_last) -> None:
+        super().__call__(reqs, want, logits, r_last)
+        for req in reqs:
+            req.drafts = req.drafts[:1] + [(t + 1) % self.vocab for t in req.drafts[1:]]
+
+
+def test_auto_drafts_one_when_only_the_first_draft_is_right(model, plain):
+    """Only the first draft is ever accepted: each request settles on k = 1 (E(k) = 2 for every k >= 1, so more
+    drafts only cost), where a rate pooled over positions (~0.5) would keep asking for 2; same tokens."""
+    want = _plain_run(plain)
+    engine = _auto_engine(model)
+    _FirstDraftRight(engine, {tuple(p): r.output_ids for p, r in zip(PROMPTS, want, strict=True)}, p_wrong=0.0)
+    got = _run(engine)
+    assert compare_greedy(want, got) == []
+    assert all(engine.spec_auto.last_k[r] == 1 for r in got), [engine.spec_auto.last_k[r] for r in got]
+    assert engine.stats.acceptance_rate > 0.8
+
+
 class _Req:
     """A stand-in request: what `AutoSpec.before_step` reads and writes."""
 
@@ -194,3 +242,30 @@ def test_calibration_pauses_speculation_for_one_plain_step():
     reqs[0].num_cached = 11
     auto.before_step([*reqs, fixed])
     assert [r.spec_k for r in reqs] == [4, 4] and reqs[0].mtp_cells == 11
+
+
+def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
+    """The plain step time t0 takes a faster sample at once and averages a slower one in (shared-machine noise
+    only adds time); while a bucket has fewer than 3 plain samples, a calibration step comes after 8 speculative
+    steps, not `calibrate_every`."""
+    auto = AutoSpec(calibrate_every=64)
+    reqs = [_Req(10), _Req(20)]
+    spec = [(r, 1) for r in reqs]
+    for r in reqs:
+        r.spec_k = 0
+    auto.record_plan(spec, 0.030)  # a slow first plain sample
+    auto.record_plan(spec, 0.010)
+    assert auto.plain[2] == 0.010
+    auto.record_plan(spec, 0.020)
+    assert auto.plain[2] == pytest.approx(0.011)
+    for r in reqs:
+        r.spec_k = 4
+    for _ in range(8):
+        auto.before_step(reqs)
+        assert all(r.spec_k == 4 for r in reqs)
+        auto.record_plan(spec, 0.012)
+    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet
+    assert all(r.spec_k == 4 for r in reqs)
+    auto.plain_count[2] = 2  # fewer than 3 plain samples: calibrate now
+    auto.before_step(reqs)
+    assert [r.spec_k for r in reqs] == [0, 0]

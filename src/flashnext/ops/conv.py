@@ -45,6 +45,8 @@ def causal_conv1d_varlen(
         return _conv(x, weight, seg.pos_in_seq, dilation), None
     if initial_window is None:
         initial_window = x.new_zeros(len(seg.lengths), W, x.shape[1])
+    if not seg.is_decode and len(set(seg.lengths)) == 1 and seg.lengths[0] > 0:
+        return _equal_rows(x, initial_window, weight, dilation)
     x_ext, layout = prepend_history(x, initial_window, seg)
     final = last_rows(x_ext, layout, seg)
     if seg.is_decode:  # only each sequence's new row: the same taps, in the same order
@@ -68,6 +70,26 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, pos_in_seq: torch.Tensor, dilat
         visible = (pos_in_seq >= shift).to(x.dtype).unsqueeze(-1)
         out = out + x_pad[pad - shift : pad - shift + T] * visible * weight[:, K - 1 - k]
     return out.to(out_dtype)
+
+
+def _equal_rows(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, dilation: int):
+    """`causal_conv1d_varlen` with a window when every sequence has the same length L (a speculative verify step:
+    each request's last token and as many drafts): each sequence's window and rows are one [W + L]-row block, so
+    the taps are L-row slices of it (no history layout, index copies or visibility masks: the window holds every
+    row a tap reads). The taps are summed in `_conv`'s order: the same result, bit for bit."""
+    N, W = window.shape[:2]
+    K = weight.shape[-1]
+    L, C = x.shape[0] // N, x.shape[1]
+    x3 = torch.cat([window.to(x.dtype), x.view(N, L, C)], dim=1)  # [N, W + L, C]
+    out_dtype = weight.dtype
+    acc = torch.promote_types(out_dtype, torch.float32)
+    xa = x3.to(out_dtype).to(acc)
+    weight = weight.to(acc)
+    out = xa[:, W:] * weight[:, K - 1]
+    for k in range(1, K):
+        shift = k * dilation
+        out = out + xa[:, W - shift : W - shift + L] * weight[:, K - 1 - k]
+    return out.to(out_dtype).view(N * L, C), x3[:, L:]
 
 
 def _last_row(x3: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:

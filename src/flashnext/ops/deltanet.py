@@ -27,7 +27,7 @@ import torch
 from flashnext.batch import Segments
 from flashnext.ops import rows
 from flashnext.ops.deltanet_ref import prepare_qk
-from flashnext.ops.deltanet_step import gated_delta_step
+from flashnext.ops.deltanet_step import gated_delta_step, prepared_delta_step
 
 CHUNK = 64
 SHORT = 8  # sequences continuing a state with at most this many tokens: the per-position recurrence
@@ -112,6 +112,8 @@ def short_gated_delta_rule(
 
     Args/returns as `gated_delta_rule` (`initial_state` required, not modified).
     """
+    if len(set(seg.lengths)) == 1 and initial_state.shape[0] == len(seg.lengths):
+        return _equal_short_gated_delta_rule(q, k, v, g, beta, initial_state)
     starts, lengths = seg.cu_host[:-1], seg.lengths
     S = initial_state.float().clone()
     o = v.new_empty(v.shape)
@@ -125,6 +127,22 @@ def short_gated_delta_rule(
         o.index_copy_(0, at, o_t)
         S.index_copy_(0, idx, s_t)
     return o, S
+
+
+def _equal_short_gated_delta_rule(q, k, v, g, beta, initial_state):
+    """`short_gated_delta_rule` when every sequence has the same length L (a batch-1 verify step, or every request
+    verifying as many drafts): the per-token preparation (`prepare_qk`, exp(g), fp32 casts) runs once over the
+    stream, position t of every sequence is a strided view ([N, L, ...] at t), and the state is stepped in place:
+    no index lists, gathers or scatters per position. Same arithmetic per position as `gated_delta_step`."""
+    N = initial_state.shape[0]
+    L = q.shape[0] // N
+    qp, kp = prepare_qk(q, k)
+    seqs = [x.view(N, L, *x.shape[1:]) for x in (qp, kp, v.float(), g.float().exp(), beta.float())]
+    S = initial_state.float().clone()
+    o = torch.empty(N, L, *v.shape[1:], dtype=torch.float32, device=v.device)
+    for t in range(L):
+        o[:, t], S = prepared_delta_step(*[x[:, t] for x in seqs], S, in_place=True)
+    return o.view(v.shape).to(v.dtype), S
 
 
 def _use_fla(x: torch.Tensor) -> bool:

@@ -32,24 +32,37 @@ def gated_delta_step(
     Returns:
         o [N, H, V] in v's dtype and the new fp32 state [N, H, K, V].
     """
-    out_dtype = v.dtype
     q, k = prepare_qk(q, k)
+    o, S = prepared_delta_step(q, k, v, g.float().exp(), beta, state, in_place)
+    return o.to(v.dtype), S
+
+
+def prepared_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_step` on inputs already prepared (`prepare_qk`'s q and k, `decay` = exp(g) in fp32), so a
+    caller stepping through several positions prepares them once. Returns o in fp32 and the new state."""
     N, H, K = k.shape
     V = v.shape[-1]
-    decay = g.float().exp()
     if torch.compiler.is_dynamo_compiling():
-        return _step_sums(q, k, v.float(), decay, beta.float(), state, in_place, out_dtype)
+        return _step_sums(q, k, v.float(), decay, beta.float(), state, in_place)
     S = state.float().reshape(N * H, K, V)
     # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
     pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
     delta = (v.float() - pred) * beta.float()[..., None]
     out = S if in_place else None
-    S = torch.baddbmm(S * decay.view(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
+    S = torch.baddbmm(S * decay.reshape(N * H, 1, 1), k.reshape(N * H, K, 1), delta.view(N * H, 1, V), out=out)
     o = torch.bmm(q.reshape(N * H, 1, K), S).view(N, H, V)
-    return o.to(out_dtype), S.view(N, H, K, V)
+    return o, S.view(N, H, K, V)
 
 
-def _step_sums(q, k, v, decay, beta, state, in_place: bool, out_dtype):
+def _step_sums(q, k, v, decay, beta, state, in_place: bool):
     """`gated_delta_step`'s products as broadcast sums, for inductor (a compiled decode step): the matvecs and the
     rank-1 update fuse into two passes over the state (one reading it for `pred`, one writing the new state and
     summing the output) instead of three extern `bmm`/`baddbmm` calls and a scaled copy. Same math, fp32, another
@@ -62,4 +75,4 @@ def _step_sums(q, k, v, decay, beta, state, in_place: bool, out_dtype):
     if in_place:
         state.copy_(new)
         new = state
-    return o.to(out_dtype), new
+    return o, new

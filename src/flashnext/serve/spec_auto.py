@@ -1,9 +1,10 @@
 """Adaptive speculative decoding (`num_speculative_tokens="auto"`): draft only where it pays, per request.
 
 Drafting k tokens costs k draft steps (the MTP head: its cell step, then chained steps) and k more fed tokens per
-request in the verify step; it yields the accepted drafts plus the target's one token. With a per-position
-acceptance a (each draft accepted with probability a once the ones before it were), a verify step with k drafts
-emits E(k) = 1 + a + a^2 + ... + a^k tokens on average. Measured against a plain step of the same batch (time t0):
+request in the verify step; it yields the accepted drafts plus the target's one token. With per-position
+acceptances a_1, a_2, ... (draft j accepted with probability a_j once the ones before it were), a verify step with
+k drafts emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on average. Measured against a plain step of
+the same batch (time t0):
 - c = (time of one draft step) / t0, the draft's cost ratio;
 - v = B * m / t0, where m is the marginal time of one more fed token in the step and B the batch: every request
   of the batch feeding k more tokens adds B*k*m. v grows with the batch: past the batch where verification stops
@@ -12,8 +13,11 @@ Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + 
 k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
 
 `AutoSpec` keeps what the choice needs:
-- per request, an exponentially weighted acceptance (each verified draft a Bernoulli trial: accepted drafts are
-  successes, the first rejected one a failure), seeded from the engine-wide rate (itself seeded at `prior_rate`);
+- per request and draft position, an exponentially weighted acceptance (each verified draft a Bernoulli trial of
+  its position: accepted drafts are successes, the first rejected one a failure, the positions after it not
+  tried), seeded from the engine-wide rates (themselves seeded at `prior_rate`). Per position because a head's
+  first draft, one step from the trunk's residual, is accepted far more often than the chained ones after it (the
+  trained tiny head: ~0.8 against ~0.5): one pooled rate under-rates k = 1 and over-rates long drafts;
 - per batch bucket (powers of two), the step time as a decayed least-squares line in the tokens fed beyond one
   per request (intercept t0, slope m), from decode-only steps; and the draft time per draft step. Until a bucket
   has two distinct points the `prior_c` / `prior_v` ratios stand in. Tests inject fixed ratios (`fixed`).
@@ -23,8 +27,10 @@ one probe: the head restarts from its current position (cells skipped while it w
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
 updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
 doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
-would not pay at the current batch (its measured costs alone decide it), and once they are measured, queued
-requests that could not gain start plain. Calibration: after `calibrate_every` speculative decode steps of a
+would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
+speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
+only cost), and once they are measured, queued requests that could not gain as much start plain.
+Calibration: after `calibrate_every` speculative decode steps of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
@@ -36,18 +42,22 @@ import weakref
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a verify step with k drafts emits on average at per-position acceptance a: sum_{i=0..k} a^i."""
+def expected_tokens(a, k: int) -> float:
+    """Tokens a verify step with k drafts emits on average. `a`: one acceptance for every draft position
+    (sum_{i=0..k} a^i), or per-position rates a[j] (draft j+1 accepted given the ones before it were:
+    1 + a[0] + a[0] a[1] + ...; positions past the list take its last rate)."""
+    rates = [float(a)] if isinstance(a, (int, float)) else [float(x) for x in a]
     total, term = 1.0, 1.0
-    for _ in range(k):
-        term *= a
+    for j in range(k):
+        term *= rates[min(j, len(rates) - 1)]
         total += term
     return total
 
 
-def choose_k(a: float, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
-    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc); 0 when no k > 0
-    beats plain decoding by `min_gain`. Ties (within 1e-9) go to the shorter draft."""
+def choose_k(a, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
+    """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc; `a` one acceptance
+    or per-position rates, as `expected_tokens`); 0 when no k > 0 beats plain decoding by `min_gain`. Ties
+    (within 1e-9) go to the shorter draft."""
     gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
     top = max(gains)
     best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
@@ -91,10 +101,12 @@ class AutoSpec:
     Args:
         k_max: the longest draft.
         fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
-        prior_rate: the engine-wide acceptance before any verification.
+        prior_rate: the engine-wide acceptance of every draft position before any verification.
         prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
+        probe_gain: the gain drafts certain to be accepted must promise at the batch's measured costs before a
+            request that stepped aside probes again (or a queued request starts speculating).
         probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
             up to `max_backoff` times).
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
@@ -103,14 +115,14 @@ class AutoSpec:
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
-        self.rate = prior_rate
+        self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
         self.alpha, self.global_alpha, self.min_gain = alpha, global_alpha, min_gain
         self.probe_every, self.max_backoff, self.decay = probe_every, max_backoff, decay
-        self.calibrate_every = calibrate_every
-        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance
+        self.calibrate_every, self.probe_gain = calibrate_every, probe_gain
+        self.rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> acceptance per position
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
@@ -121,16 +133,18 @@ class AutoSpec:
         self.batch = 1
         self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
+        self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
-        """One verify step of `req`: `accepted` of its `drafted` drafts."""
-        r = self.rates.get(req, self.rate)
+        """One verify step of `req`: `accepted` of its `drafted` drafts (positions 0..accepted-1 succeeded, position
+        `accepted` failed when it was drafted, the later ones were not tried)."""
+        r = self.rates.get(req) or list(self.rate)
         trials = [1.0] * accepted + ([0.0] if accepted < drafted else [])
-        for x in trials:
-            r += self.alpha * (x - r)
-            self.rate += self.global_alpha * (x - self.rate)
+        for j, x in enumerate(trials[: len(r)]):
+            r[j] += self.alpha * (x - r[j])
+            self.rate[j] += self.global_alpha * (x - self.rate[j])
         self.rates[req] = r
 
     # ---- costs -------------------------------------------------------------------------------------------
@@ -151,7 +165,12 @@ class AutoSpec:
             return
         b = bucket(len(plan))
         if not any(req.spec_k for req, _ in plan):
-            self.plain[b] = seconds if b not in self.plain else self.plain[b] + 0.1 * (seconds - self.plain[b])
+            # Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is
+            # taken at once and a slower one averaged in (one slow early sample would otherwise pass for the
+            # plain cost until the next calibration, making every draft look cheap).
+            old = self.plain.get(b, seconds)
+            self.plain[b] = min(seconds, old + 0.1 * (seconds - old))
+            self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
@@ -218,13 +237,13 @@ class AutoSpec:
     def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
         """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
         `probe_every` steps, doubling after each probe that did not bring the request back, up to `max_backoff`
-        times; none while even drafts certain to be accepted would not pay at this batch: `choose_k` at a = 1).
+        times; none while even drafts certain to be accepted would not gain `probe_gain` at this batch).
         Queued requests not started yet start plain when the measured costs of the batch they will join say the
         same (no head cells for their prompts)."""
         self.batch = max(1, len(running))
         if waiting:
             joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
-            if self.measured(joined) and choose_k(1.0, *self.costs(joined), self.k_max, self.min_gain) == 0:
+            if self.measured(joined) and not self._could_pay(joined):
                 for parent in waiting:
                     for req in parent.choices or [parent]:
                         if req.spec_k and req.num_cached == 0 and req.params.num_speculative_tokens is None:
@@ -239,7 +258,7 @@ class AutoSpec:
                 self.plain_steps[req] = n + 1
                 continue
             if could_pay is None:
-                could_pay = choose_k(1.0, *self.costs(self.batch), self.k_max, self.min_gain) > 0
+                could_pay = self._could_pay(self.batch)
             if not could_pay:
                 self.plain_steps[req] = 0
                 continue
@@ -247,16 +266,22 @@ class AutoSpec:
             self.probing.add(req)
             req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
 
+    def _could_pay(self, batch: int) -> bool:
+        """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
+        return choose_k(1.0, *self.costs(batch), self.k_max, max(self.min_gain, self.probe_gain)) > 0
+
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one, pause its speculating requests for one step (a plain step to measure
-        against: without it a speculative step's fixed overhead would pass for plain cost)."""
+        decode steps without a plain one (8 while it has fewer than 3 plain ones measured), pause its speculating
+        requests for one step (a plain step to measure against: without it a speculative step's fixed overhead
+        would pass for plain cost)."""
         for req in list(self.paused):
             self.paused.discard(req)
             if not req.finished and req.spec_k == 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
         b = bucket(self.batch)
-        if self.fixed is not None or self.since_plain.get(b, 0) < self.calibrate_every:
+        due = self.calibrate_every if self.plain_count.get(b, 0) >= 3 else min(self.calibrate_every, 8)
+        if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         self.since_plain[b] = 0
         for req in running:
