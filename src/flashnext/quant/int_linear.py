@@ -14,10 +14,15 @@ here), so the compute dtype is bf16 unless the model is fp16: fp32 inputs are ca
 kernel needs K a multiple of 16 (it crashed on K = 8, 24 in torch 2.13); a narrower or odd K (none in the released
 model; the tests' tiny PLE width 8) multiplies by the weight dequantised in the compute dtype instead.
 
-Inside a compiled graph (the CPU decode step) a product of at most `REDUCED_ROWS` rows is written instead as a
-reduction over the codes (`reduced_int8_linear`: int8 upcast as read, fp32 products summed over K, the row scale
-applied to the sums), which inductor generates as one vectorised loop streaming the int8 rows: no kernel call, no
-bf16 casts of the input and output, no dequantised weight (as `model.fused.reduced_linear` does for float weights).
+Inside a compiled graph (the CPU decode step) a product of fp32 activations of at most `REDUCED_ROWS` rows is
+written instead as a reduction over the codes (`reduced_int8_linear`: int8 upcast as read, fp32 products summed
+over K, the row scale applied to the sums), which inductor generates as one vectorised loop streaming the int8
+rows: no kernel call, no bf16 casts of the input and output, no dequantised weight (as
+`model.fused.reduced_linear` does for float weights).
+bf16 / fp16 activations keep the kernel: it reads them natively (no casts to save), and inside inductor's fused
+kernels the reduction's fp32 sums would reach their consumers unrounded (inductor drops intermediate bf16
+roundings), moving a bf16 graph's greedy tokens off the eager step's (seen at token 6 of
+`tests/quant/test_apply.py::test_quantized_decode_graph_equals_eager[inductor]`, a 0.4 logit gap: not a tie).
 
 The plain twin `int8_linear_ref` dequantises and multiplies in fp32 (the spec); `FLASHNEXT_QUANT_REFERENCE=1`
 routes every quantized module through its twin.
@@ -68,7 +73,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     if use_reference():
         return int8_linear_ref(x, q, scale, bias)
     lead, K = x.shape[:-1], x.shape[-1]
-    if x.device.type == "cpu" and math.prod(lead) <= REDUCED_ROWS and _compiling():
+    if x.dtype == torch.float32 and x.device.type == "cpu" and math.prod(lead) <= REDUCED_ROWS and _compiling():
         return reduced_int8_linear(x.reshape(-1, K), q, scale, bias).reshape(*lead, q.shape[0])
     xc = x.reshape(-1, K).to(scale.dtype).contiguous()
     if K % PACKED_K:  # the kernel crashes (not raises) on other widths: dequantise in the compute dtype
