@@ -121,3 +121,27 @@ def test_int8_static_step_fuses_the_dequantisation_when_compiled(backend, tokens
         got = q(x, experts, weights, Step(DECODE, static=True))
     _close(got, want)
     assert (got - want).abs().max() > 1e-4 * want.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [1, 10])
+def test_int8_static_step_reads_the_codes_in_place_under_inductor(tokens):
+    """The generated code (inductor) of `_reduced`: each assignment's int8 rows are read where they lie (an int8
+    load at an address computed from the routed expert id inside the reduction loop), so no buffer holds gathered
+    or dequantised expert weights (every buffer is smaller than one expert's gate/up codes), and there is no
+    packed kernel call."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    q = QuantExperts.from_float(_experts(), "int8")
+    x, experts, weights = _routing(tokens, 8, 1 if tokens == 1 else 2)
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a: q(*a, Step(DECODE, static=True)), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(step, x, experts, weights)
+    _close(got, experts_ref(q, x, experts, weights, exact_input=True), rel=1e-4)
+    assert "_weight_int8pack_mm" not in code and "Vectorized<int8_t>::loadu" in code
+    sizes = [eval(m) for m in re.findall(r"empty_strided_cpu\((\([^)]*\))", code)]
+    one_expert = q.gate_up_q[0].numel()
+    assert all(torch.Size(s).numel() < one_expert for s in sizes), sizes

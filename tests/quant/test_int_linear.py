@@ -7,11 +7,15 @@ relative 1e-2 of the output's scale (bf16 has 8 mantissa bits: 2^-8 = 3.9e-3 per
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from flashnext.model.fused import Group, apply_linear
+from flashnext.quant import int_linear
 from flashnext.quant.int_linear import (
     Int8Group,
     Int8Linear,
@@ -72,3 +76,72 @@ def test_int8_group_is_its_members_and_sees_their_requantization():
     assert torch.equal(group.qweight[24:32], q) and torch.equal(group.scale[24:32], s)
     _close(group(x)[1], int8_linear_ref(x, q, s))
     assert group.refresh() is False  # nothing to rebuild: the members are row views of the group
+
+
+def _traced_ops(fn, *args):
+    """fn compiled by dynamo without code generation (aot_eager's graph run eagerly): (output, the traced ops)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return out, {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_few_row_int8_product_is_a_reduction_over_the_codes(dtype):
+    """Inside a compiled graph an int8 product of fp32 activations of at most `int_linear.REDUCED_ROWS` rows is an
+    fp32 reduction over the upcast codes with the row scale applied to the sums (`reduced_int8_linear`), no packed
+    kernel; more rows, and bf16 activations, keep `_weight_int8pack_mm`. The reduction is the fp32 twin on the
+    unrounded input up to the order of fp32 sums (1e-4 of the output's scale, against ~3e-3 for the kernel's bf16
+    input and output: this tells the paths apart). Also through an `Int8Group` (the fused projections)."""
+    gen = torch.Generator().manual_seed(0)
+    q, s = quantize_int8(torch.randn(96, 256, generator=gen))
+    b = torch.randn(96, generator=gen).to(dtype)
+    for rows in (1, 3, int_linear.REDUCED_ROWS, int_linear.REDUCED_ROWS + 1):
+        x = torch.randn(rows, 256, generator=gen).to(dtype)
+        got, ops = _traced_ops(lambda x: int8_linear(x, q, s, b), x)
+        reduced = rows <= int_linear.REDUCED_ROWS and dtype == torch.float32
+        assert reduced == ("aten._weight_int8pack_mm" not in ops) and reduced == any("sum" in op for op in ops), ops
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        want = int8_linear_ref(x, q, s, b, exact_input=reduced)
+        if reduced and dtype == torch.float32:
+            err = (got - want).abs().max()
+            assert err <= 1e-4 * want.abs().max(), f"max error {err:.3g}"
+            assert (int8_linear(x, q, s, b) - want).abs().max() > 1e-4 * want.abs().max()  # the kernel's bf16
+        else:
+            _close(got, want)
+    a, c = nn.Linear(256, 40, bias=False), nn.Linear(256, 24, bias=True)
+    group, members = Int8Group.from_group(Group(a, c))
+    x = torch.randn(2, 256, generator=gen)
+    (ya, yc), ops = _traced_ops(lambda x: group(x, fused=True), x)
+    assert "aten._weight_int8pack_mm" not in ops, ops
+    for y, m in zip((ya, yc), members, strict=True):
+        want = int8_linear_ref(x, m.qweight, m.scale, m.bias, exact_input=True)
+        assert (y - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.slow
+def test_reduced_int8_product_is_one_loop_over_the_codes_under_inductor():
+    """The generated code (inductor) of a one-row int8 product: the codes read as int8 inside the reduction (a
+    vectorised int8 load converted to fp32), no packed kernel call, no buffer the size of the weight (no
+    dequantised temporary); equal to the fp32 twin up to the order of fp32 sums. Also at `REDUCED_ROWS` rows."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(1)
+    q, s = quantize_int8(torch.randn(300, 256, generator=gen))
+    b = torch.randn(300, generator=gen)
+    compiled = torch.compile(lambda x: int8_linear(x, q, s, b), fullgraph=True, dynamic=False)
+    for rows in (1, int_linear.REDUCED_ROWS):
+        x = torch.randn(rows, 256, generator=gen)
+        with torch.no_grad():
+            got, (code,) = run_and_get_code(compiled, x)
+        want = int8_linear_ref(x, q, s, b, exact_input=True)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert "_weight_int8pack_mm" not in code
+        assert "Vectorized<int8_t>::loadu" in code  # the codes streamed as int8 by the reduction loop
+        sizes = [eval(m) for m in re.findall(r"empty_strided_cpu\((\([^)]*\))", code)]
+        assert all(math.prod(size) < q.numel() for size in sizes), sizes
