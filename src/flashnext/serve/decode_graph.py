@@ -54,8 +54,12 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_COMPILE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "flashnext", "inductor")
 # Inductor settings of the CPU decode graphs: the generated C++ wrapper instead of the Python one (-8% of a batch-1
 # step's CPU time: the wrapper's per-step buffer and kernel calls; compiling takes ~45% longer), no size/alignment
-# asserts on the extern kernels' outputs (-4% with the Python wrapper).
-INDUCTOR_PATCHES = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False}
+# asserts on the extern kernels' outputs (-4% with the Python wrapper), and bf16 rounded where the eager step rounds
+# (inductor otherwise keeps fused intermediates in fp32: a bf16 graph would drift from the eager engine and from the
+# trainer's forward by more than summation order).
+INDUCTOR_PATCHES = {
+    "cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "emulate_precision_casts": True,
+}  # fmt: skip
 RECOMPILES_PER_BUCKET = 2  # a parameter replaced by a tensor of another kind may recompile a bucket once
 
 
