@@ -11,6 +11,9 @@ so it answers the issue-31 question alone: does bf16 pay (aim: bf16 >= 1.5x our 
 `--profile N` adds one torch.profiler run per dtype and prints the top N ops by self CPU time, as shares of that
 run's total, both dtypes side by side: on a loaded box the shares are steadier evidence than the times.
 
+`--compile` runs both models through `flashnext.compile.compile_model` (what `train.compile=true` does: each
+decoder layer compiled, the opaque ops eager between graphs); the untimed first run compiles (minutes).
+
     python benchmarks/bf16_vs_fp32.py                       # 4096 tokens, 3 repeats
     python benchmarks/bf16_vs_fp32.py --seqs 1024 4096 --profile 15
 
@@ -54,6 +57,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     parser.add_argument("--profile", type=int, default=0, help="print the top-N ops of each dtype side by side")
+    parser.add_argument(
+        "--compile", action="store_true", help="both models through `compile_model` (train.compile=true's layers)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error(f"--repeats must be >= 3 (a median of at least 3), got {args.repeats}")
@@ -70,6 +76,12 @@ def main(argv=None) -> int:
         reference.save_pretrained(tmp)
         del reference
         models = {name: flashnext.from_pretrained(tmp, dtype=dt, device="cpu").eval() for name, dt in DTYPES.items()}
+    if args.compile:
+        from flashnext.compile import compile_model
+
+        for model in models.values():
+            compile_model(model)
+        print("# compile_model: every decoder layer and the final mixer compiled (the untimed run compiles)")
     peak = {name: measure_peak_flops(torch.device("cpu"), dt, n=2048) for name, dt in DTYPES.items()}
     print("# measured GEMM peak (2048^3): " + " ".join(f"{n}={p / 1e9:.1f} GFLOP/s" for n, p in peak.items()))
     text_cfg = TextConfig.from_dict(dict(CONFIG))

@@ -39,6 +39,23 @@ def test_cross_entropy_matches_materialised_logits(small_chunks, dtype):
         torch.testing.assert_close(a, b, **TOL[dtype])
 
 
+@pytest.mark.parametrize("slab_chunks", [1, 2, 3])
+def test_cross_entropy_bf16_weight_gradient_slabs(small_chunks, monkeypatch, slab_chunks):
+    """bf16: chunk gradients gathered `slab_chunks` chunks at a time (37 rows of 7-row chunks: full slabs and a short
+    last one) before each weight-gradient product; the same gradients as the materialised logits, within TOL."""
+    monkeypatch.setattr(lm_head, "WEIGHT_GRAD_ELEMENTS", 700 * slab_chunks)
+    hidden, weight, targets = _case(torch.bfloat16, seed=3)
+    targets[[0, 20]] = -100
+    got = lm_head.linear_cross_entropy(hidden, weight, targets)
+    want = lm_head_ref.linear_cross_entropy_ref(hidden, weight, targets)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    g_got = torch.autograd.grad(got * 0.37, (hidden, weight))
+    g_want = torch.autograd.grad(want * 0.37, (hidden, weight))
+    for a, b in zip(g_got, g_want, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_logprobs_and_entropy_match_materialised_logits(small_chunks, dtype):
     hidden, weight, targets = _case(dtype, seed=1)
