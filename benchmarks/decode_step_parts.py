@@ -5,16 +5,20 @@
 Model: `vs_llamacpp.py`'s variant of the 31M benchmark config (vocab 4096), random weights, the engine with its
 decode graph compiled for each batch (inductor). Per batch, after warm-up, alternating 3 rounds of each:
 - `step_ms`: `Engine.step` of decode-only steps (scheduler, the graph, sampling, bookkeeping), median of 64;
-- `graph_ms`: the compiled step alone on the same inputs (`DecodeGraph._compiled[N]`), median of 64;
+  `model_step_ms` its `ModelStep` call (the graph, the fused-weight check, the inputs), `host_ms` the difference
+  (scheduling, sampling, bookkeeping);
+- `graph_ms`: the compiled step alone (`DecodeGraph._compiled[N]`, every slot after 64 cached tokens), median of 64;
 - from one profiled run of the compiled step (torch profiler, self CPU time per step): `guards_ms` (dynamo's cache
-  lookup: its guard evaluation), `wrapper_ms` (the compiled graph's Python wrapper: buffer allocation, size
-  asserts, kernel calls), `kernels_ms` (inductor's generated kernels and the aten ops they call; with inductor's
-  `cpp.enable_kernel_profile` so each generated kernel is its own row), and the `--kernels` heaviest kernels.
+  lookup: its guard evaluation), `wrapper_ms` (the compiled graph's wrapper: buffer allocation, kernel calls;
+  without `--kernels` the generated kernels' time too), `kernels_ms` (the aten ops the graph calls; with `--kernels N`
+  also inductor's generated kernels, compiled with `cpp.enable_kernel_profile` so each is a row, which slows every
+  part by its hooks: take the times from a run without it), and the N heaviest kernels.
 The load average is printed: parts timed at a load above the thread count are not results (every OpenMP barrier
 of a generated kernel stretches then).
 
 Output:
-    batch=<B> dtype=<d> step_ms=<x> graph_ms=<y> host_ms=<x - y> guards_ms=<g> wrapper_ms=<w> kernels_ms=<k> load=<l>
+    batch=<B> dtype=<d> step_ms=<x> model_step_ms=<m> host_ms=<x - m> graph_ms=<y> guards_ms=<g> wrapper_ms=<w>
+        kernels_ms=<k> load=<l>
       <share>% <us> us/step <calls>/step <kernel name>      (the heaviest kernels, with --kernels N)
 """
 
@@ -50,27 +54,42 @@ def engine_for(batch: int, dtype: torch.dtype, seed: int):
     return engine
 
 
-def step_ms(engine, batch: int, gen: torch.Generator) -> float:
-    """Median `Engine.step` of the decode-only steps of `batch` greedy requests (32-token prompts, 64 tokens)."""
+def step_ms(engine, batch: int, gen: torch.Generator) -> tuple[float, float]:
+    """Medians of `Engine.step` and of its `ModelStep` call (the decode graph with its input preparation) over the
+    decode-only steps of `batch` greedy requests (32-token prompts, 64 tokens)."""
     from flashnext.serve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for p in torch.randint(0, engine.model.config.vocab_size, (batch, 32), generator=gen).tolist():
         engine.add_request(p, params)
-    times = []
-    while engine.has_unfinished():
-        prefill = bool(engine.waiting) or any(r.num_cached < len(r.prompt_ids) for r in engine.running)
+    inner, model_times = engine.model_step, []
+
+    def timed(plan):
         t0 = time.perf_counter()
-        engine.step()
-        if not prefill:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        out = inner(plan)
+        model_times.append(time.perf_counter() - t0)
+        return out
+
+    engine.model_step = timed
+    times, model = [], []
+    try:
+        while engine.has_unfinished():
+            prefill = bool(engine.waiting) or any(r.num_cached < len(r.prompt_ids) for r in engine.running)
+            t0 = time.perf_counter()
+            engine.step()
+            if not prefill:
+                times.append(time.perf_counter() - t0)
+                model.append(model_times[-1])
+    finally:
+        engine.model_step = inner
+    return statistics.median(times) * 1e3, statistics.median(model) * 1e3
 
 
 def graph_ms(engine, batch: int, n: int = 64) -> float:
-    """Median of the compiled step alone (padding-free inputs: every slot decodes after 40 cached tokens)."""
+    """Median of the compiled step alone (padding-free inputs: every slot decodes after 64 cached tokens, the
+    middle of `step_ms`'s requests)."""
     dg = engine.decode_graph
-    inputs = dg._inputs([1] * batch, list(range(batch)), [40] * batch, batch)
+    inputs = dg._inputs([1] * batch, list(range(batch)), [64] * batch, batch)
     times = []
     with torch.inference_mode():
         for _ in range(n):
@@ -85,7 +104,7 @@ def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[t
     from torch.profiler import ProfilerActivity, profile
 
     dg = engine.decode_graph
-    inputs = dg._inputs([1] * batch, list(range(batch)), [40] * batch, batch)
+    inputs = dg._inputs([1] * batch, list(range(batch)), [64] * batch, batch)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             dg._compiled[batch](*inputs)
@@ -112,22 +131,26 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import torch._inductor.config as inductor_config
+    if args.kernels:  # a profiler row per generated kernel: a hook per kernel call, which slows every part
+        import torch._inductor.config as inductor_config
 
-    inductor_config.cpp.enable_kernel_profile = True  # a profiler row per generated kernel (a hook per kernel call)
+        inductor_config.cpp.enable_kernel_profile = True
     dtype = getattr(torch, args.dtype)
     for batch in args.batches:
         engine = engine_for(batch, dtype, args.seed)
         gen = torch.Generator().manual_seed(args.seed)
-        steps, graphs = [], []
+        steps, models, graphs = [], [], []
         for _ in range(3):
-            steps.append(step_ms(engine, batch, gen))
+            s, m = step_ms(engine, batch, gen)
+            steps.append(s)
+            models.append(m)
             graphs.append(graph_ms(engine, batch))
-        step, graph = statistics.median(steps), statistics.median(graphs)
+        step, model, graph = (statistics.median(x) for x in (steps, models, graphs))
         split, kernels = parts(engine, batch)
         shown = " ".join(f"{k}={v:.2f}" for k, v in split.items())
-        print(f"batch={batch} dtype={args.dtype} step_ms={step:.2f} graph_ms={graph:.2f} host_ms={step - graph:.2f} "
-              f"{shown} load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        print(f"batch={batch} dtype={args.dtype} step_ms={step:.2f} model_step_ms={model:.2f} "
+              f"host_ms={step - model:.2f} graph_ms={graph:.2f} {shown} load={os.getloadavg()[0]:.1f}",
+              flush=True)  # fmt: skip
         total = sum(ms for _, ms, _ in kernels) or 1.0
         for name, ms, calls in kernels[: args.kernels]:
             print(f"  {100 * ms / total:5.1f}% {ms * 1e3:7.1f} us/step {calls:3d}/step {name[:110]}")

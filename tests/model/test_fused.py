@@ -266,3 +266,31 @@ def test_fp32_copies_only_for_small_low_precision_cpu_weights():
     assert fused.SINGLE in vars(model["small"])
     assert fused.SINGLE not in vars(model["big"]) and fused.SINGLE not in vars(model["fp32"])
     assert vars(model["small"])[fused.SINGLE]._fp32[0].dtype == torch.float32
+
+
+def test_watch_rebuilds_exactly_the_changed_groups():
+    """`fused.Watch` (the decode graph's check before each call): nothing rebuilt while nothing changed; an in-place
+    update, a new storage (`.data =`) and a new Parameter object each rebuild their group, and only it."""
+    a, b = [nn.Linear(8, 4, dtype=torch.float64) for _ in range(2)], [nn.Linear(8, 3, dtype=torch.float64)]
+    groups = [fused.Group(*a), fused.Group(*b)]
+    for g in groups:
+        g.build()
+    watch = fused.Watch(groups)
+    assert watch.refresh() == 0 and watch.refresh() == 0
+    x = torch.randn(2, 8, dtype=torch.float64)
+
+    def check():
+        for g in groups:
+            got, want = g.product(x), torch.cat([F.linear(x, m.weight, m.bias) for m in g.members], -1)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # fp64, another GEMM's sum order
+
+    with torch.no_grad():
+        a[1].weight.mul_(2.0)
+    assert watch.refresh() == 1
+    check()
+    b[0].bias.data = torch.randn(3, dtype=torch.float64)
+    assert watch.refresh() == 1
+    a[0].weight = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+    assert watch.refresh() == 1
+    check()
+    assert watch.refresh() == 0

@@ -208,6 +208,32 @@ def refresh(found: list[Group]) -> int:
     return sum(g.refresh() for g in found)
 
 
+class Watch:
+    """The member parameters of many groups, checked in one pass (`refresh`): what a compiled step's caller runs
+    before each call. Same rule as `Group.refresh` (parameter object, storage, version); on any change the groups
+    refresh themselves (only the changed ones rebuild). One flat pass instead of a check per group: the per-group
+    checks of a decode step's 34 groups took ~0.3 ms of a ~2.5 ms batch-1 step."""
+
+    def __init__(self, found: list[Group]):
+        self.found = found
+        self._slots = [(m._parameters, name) for g in found for m in g.members for name in ("weight", "bias")]
+        self._seen: tuple[list, list] | None = None
+
+    def _now(self) -> tuple[list, list]:
+        params = [d.get(n) for d, n in self._slots]
+        return params, [(p.data_ptr(), p._version) for p in params if p is not None]
+
+    def refresh(self) -> int:
+        """Rebuild the groups whose members changed since the last call; how many were rebuilt."""
+        params, stamp = self._now()
+        seen = self._seen
+        if seen is not None and stamp == seen[1] and all(a is b for a, b in zip(params, seen[0], strict=True)):
+            return 0
+        rebuilt = refresh(self.found)
+        self._seen = self._now()
+        return rebuilt
+
+
 def prepare(model: nn.Module) -> int:
     """Build every group's fused weights (the serving fast path); returns how many groups were built.
 

@@ -133,6 +133,7 @@ class DecodeGraph:
         self.device = next(model.parameters()).device
         self.buckets = bucket_sizes(buckets, cache.max_slots)
         self.groups = fused.groups(model)
+        self.watch = fused.Watch(self.groups)  # the fused weights' change check before each call
         self.compiles = 0  # graphs handed to the compiler backend (one per bucket used, when nothing recompiles)
         self.compile_seconds: dict[int, float] = {}  # bucket -> wall time of its first (compiling) call
         self.cuda = self.device.type == "cuda"
@@ -201,7 +202,7 @@ class DecodeGraph:
             raise ValueError(f"a decode step of {n} entries exceeds the largest bucket {self.buckets[-1]}")
         if self.background is not None and N not in self.ready:
             raise RuntimeError(f"decode bucket {N} is still compiling in the background; run this step eager")
-        fused.refresh(self.groups)  # weights changed since the last step are seen by this one
+        self.watch.refresh()  # weights changed since the last step are seen by this one
         logits = self._call(N, *self._inputs(ids, slots, cached, N))
         return logits[:n]
 
