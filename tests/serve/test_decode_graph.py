@@ -96,24 +96,32 @@ def test_engine_decode_graph_recompiles_nothing_in_steady_state(model):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), **TOL)
 
 
-def test_weight_updates_reach_the_compiled_step(model):
-    """In-place updates (an optimizer-like step on a fused group's member and on the LM head) and a
-    `load_state_dict` are seen by the next compiled step, without recompiling."""
-    prompts, slots = _prompts(2, 2), [0, 1]
+def _graph_and_eager(model, seed: int):
+    """A bucket-2 graph over two prefilled slots, and `step_both()`: (compiled logits, eager logits) of one decode
+    step from the same saved state (the cache restored before each)."""
+    prompts, slots = _prompts(2, seed), [0, 1]
     cache = _prefilled(model, prompts, slots)
     graph = DecodeGraph(model, cache, buckets=[2], backend="aot_eager")
     cached = [len(p) for p in prompts]
     snapshot = [b.clone() for b in cache.buffers()]
 
+    def restore():
+        for b, s in zip(cache.buffers(), snapshot, strict=True):
+            b.copy_(s)
+
     def step_both():
-        """(compiled logits, eager logits) of one decode step from the same saved state."""
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
+        restore()
         got = graph.run([5, 6], slots, cached).clone()
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
+        restore()
         return got, run_step(model, cache, [(0, cached[0], [5]), (1, cached[1], [6])])
 
+    return graph, step_both
+
+
+def test_weight_updates_reach_the_compiled_step(model):
+    """In-place updates (an optimizer-like step on a fused group's member and on the LM head) and a
+    `load_state_dict` are seen by the next compiled step, without recompiling."""
+    graph, step_both = _graph_and_eager(model, seed=2)
     with torch.inference_mode():
         before, _ = step_both()
         layer = model.model.layers[0]
@@ -137,30 +145,18 @@ def test_python_values_are_baked_into_the_graph_and_not_guarded(model, monkeypat
     as it was (here the fused products' row bound: the compiled step keeps its reductions after the bound drops to
     0, without recompiling, and still equals the eager step), while a weight replaced by one of other strides still
     recompiles the step (its tensor guard)."""
-    prompts, slots = _prompts(2, 3), [0, 1]
-    cache = _prefilled(model, prompts, slots)
-    graph = DecodeGraph(model, cache, buckets=[2], backend="aot_eager")
-    cached = [len(p) for p in prompts]
-    snapshot = [b.clone() for b in cache.buffers()]
+    graph, step_both = _graph_and_eager(model, seed=3)
     with torch.inference_mode():
-        graph.run([5, 6], slots, cached)
+        step_both()
         monkeypatch.setattr(fused, "REDUCED_ROWS", 0)
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
-        got = graph.run([5, 6], slots, cached).clone()
+        got, want = step_both()
         assert graph.compiles == 1
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
-        torch.testing.assert_close(got, run_step(model, cache, [(0, cached[0], [5]), (1, cached[1], [6])]), **TOL)
+        torch.testing.assert_close(got, want, **TOL)
         head = model.lm_head
         head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t(), requires_grad=False)  # strides
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
-        got = graph.run([5, 6], slots, cached).clone()
+        got, want = step_both()
         assert graph.compiles == 2
-        for b, s in zip(cache.buffers(), snapshot, strict=True):
-            b.copy_(s)
-        torch.testing.assert_close(got, run_step(model, cache, [(0, cached[0], [5]), (1, cached[1], [6])]), **TOL)
+        torch.testing.assert_close(got, want, **TOL)
 
 
 def test_speculating_requests_stay_eager_and_exact(small_config):
