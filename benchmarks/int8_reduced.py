@@ -5,8 +5,8 @@
 Model: `vs_llamacpp.py`'s variant of the benchmark config (hidden 256, 8 layers, 16 experts top-4, vocab 4096),
 random weights (`build_model`, seed 0), fp32, quantized to weight-only int8 (`quantize_model`, trunk and experts:
 what `vs_llamacpp.py --quant q8_0` serves). Per batch size two engines with the compiled decode step (inductor,
-one bucket), differing only in the bound on rows under which `int8_linear` runs as `reduced_int8_linear` inside the
-graph (`quant.int_linear.REDUCED_ROWS`, set while each one compiles and runs):
+one bucket), differing only in the bound on rows under which `int8_linear` runs as a reduction inside the graph
+(`fused.reduced_linear`; `quant.int_linear.REDUCED_ROWS`, set while each one compiles and runs):
 - kernel: bound 0, every int8 product through `_weight_int8pack_mm` (bf16 activations, cast in and out);
 - reduced: bound 64, every int8 product of the step as the fused fp32 reduction over the int8 codes.
 The experts run `QuantExperts._reduced` in both. Each round times `--steps` decode steps (`DecodeGraph.run`, the

@@ -94,7 +94,7 @@ def _traced_ops(fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_few_row_int8_product_is_a_reduction_over_the_codes(dtype):
     """Inside a compiled graph an int8 product of fp32 activations of at most `int_linear.REDUCED_ROWS` rows is an
-    fp32 reduction over the upcast codes with the row scale applied to the sums (`reduced_int8_linear`), no packed
+    fp32 reduction over the upcast codes with the row scale applied to the sums (`fused.reduced_linear`), no packed
     kernel; more rows, and bf16 activations, keep `_weight_int8pack_mm`. The reduction is the fp32 twin on the
     unrounded input up to the order of fp32 sums (1e-4 of the output's scale, against ~3e-3 for the kernel's bf16
     input and output: this tells the paths apart). Also through an `Int8Group` (the fused projections)."""

@@ -12,9 +12,9 @@ it never serves stale weights.
 
 Skinny inputs (a decode step: a few rows) on CPU multiply as `W @ x.T` when fused: MKL splits the long weight
 dimension across threads, which on this CPU made e.g. the 16-row x 16384-vocab LM head ~2x faster than `x @ W.T`.
-Inside a compiled decode step, a product of at most `REDUCED_ROWS` rows is written as a reduction that inductor
-vectorises (`reduced_linear`, any weight size and float dtype, in fp32): in a decode step the weights come from
-memory, not cache, and the generated loop streams them ~3x faster than MKL's skinny sgemm or oneDNN's bf16 GEMM
+Inside a compiled decode step, a product of at most `REDUCED_ROWS` rows (`reduces`) is written as a reduction that
+inductor vectorises (`reduced_linear`, any weight size and float dtype, in fp32): in a decode step the weights come
+from memory, not cache, and the generated loop streams them ~3x faster than MKL's skinny sgemm or oneDNN's bf16 GEMM
 (a decode step's 67 products at batch 1 in one compiled graph: 1.0 against 3.1 ms fp32, 0.75 against 2.7 ms
 bf16; at 4 rows 2.0 against 4.8 ms; at 16 rows even in fp32, behind in bf16).
 
@@ -52,7 +52,7 @@ def linear(
     """
     if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    if x.shape[0] <= REDUCED_ROWS and _compiling():
+    if reduces(x):
         return reduced_linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
@@ -60,14 +60,25 @@ def linear(
     return y.contiguous() if contiguous else y
 
 
-def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reduces(x: torch.Tensor) -> bool:
+    """Whether a product of `x` [M, K] runs as `reduced_linear`: a CPU input of at most `REDUCED_ROWS` rows inside
+    a compiled graph."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= REDUCED_ROWS and _compiling()
+
+
+def reduced_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a few rows written as a broadcast product summed over K, in fp32 (x and W
-    upcast as they are read, one rounding to x's dtype at the end: the function of the bf16 GEMM too).
+    upcast as they are read, one rounding to x's dtype at the end: the function of the bf16 GEMM too). `scale`
+    [N] multiplies the sums before the bias: int8 codes with their row scales (`quant.int_linear`).
 
     For inductor only: inside a compiled graph it becomes one vectorised pass over W per row, no [M, N, K]
     temporary; eager it would build that temporary. Why: in a decode step the weights are not in cache, and MKL's
     skinny sgemm / oneDNN's bf16 GEMM stream them at ~7 GB/s on this CPU against ~20 GB/s for the generated loop."""
     y = (x.float()[:, None, :] * weight.float()).sum(-1)
+    if scale is not None:
+        y = y * scale.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -129,8 +140,7 @@ class Group:
         if not _compiling():
             self.refresh()
         fp32 = self._fp32
-        reduced = x.dim() == 2 and x.shape[0] <= REDUCED_ROWS and _compiling()  # `linear` reads the weight as is
-        if fp32 is not None and not reduced and x.dim() == 2 and x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX:
+        if fp32 is not None and not reduces(x) and x.dim() == 2 and x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX:
             y = linear(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)
             return y.contiguous() if contiguous else y
         _, _, weight, bias, _ = self._built
@@ -217,11 +227,11 @@ class Watch:
     def __init__(self, found: list[Group]):
         self.found = found
         self._slots = [(m._parameters, name) for g in found for m in g.members for name in ("weight", "bias")]
-        self._seen: tuple[list, list] | None = None
+        self._seen: tuple[list, tuple] | None = None
 
-    def _now(self) -> tuple[list, list]:
+    def _now(self) -> tuple[list, tuple]:
         params = [d.get(n) for d, n in self._slots]
-        return params, [(p.data_ptr(), p._version) for p in params if p is not None]
+        return params, _stamp(params)
 
     def refresh(self) -> int:
         """Rebuild the groups whose members changed since the last call; how many were rebuilt."""

@@ -15,10 +15,9 @@ kernel needs K a multiple of 16 (it crashed on K = 8, 24 in torch 2.13); a narro
 model; the tests' tiny PLE width 8) multiplies by the weight dequantised in the compute dtype instead.
 
 Inside a compiled graph (the CPU decode step) a product of fp32 activations of at most `REDUCED_ROWS` rows is
-written instead as a reduction over the codes (`reduced_int8_linear`: int8 upcast as read, fp32 products summed
-over K, the row scale applied to the sums), which inductor generates as one vectorised loop streaming the int8
-rows: no kernel call, no bf16 casts of the input and output, no dequantised weight (as
-`model.fused.reduced_linear` does for float weights).
+written instead as a reduction over the codes (`model.fused.reduced_linear` with the row scales: int8 upcast as
+read, fp32 products summed over K, the row scale applied to the sums), which inductor generates as one vectorised
+loop streaming the int8 rows: no kernel call, no bf16 casts of the input and output, no dequantised weight.
 bf16 / fp16 activations keep the kernel: it reads them natively (no casts to save), and inside inductor's fused
 kernels the reduction's fp32 sums would reach their consumers unrounded (inductor drops intermediate bf16
 roundings), moving a bf16 graph's greedy tokens off the eager step's (seen at token 6 of
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashnext.model.fused import REDUCED_ROWS, Group, _compiling
+from flashnext.model.fused import REDUCED_ROWS, Group, _compiling, reduced_linear
 
 QMAX = 127
 PACKED_K = 16  # `_weight_int8pack_mm` needs K % 16 == 0 (other K segfaulted in torch 2.13); those dequantise
@@ -74,7 +73,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
         return int8_linear_ref(x, q, scale, bias)
     lead, K = x.shape[:-1], x.shape[-1]
     if x.dtype == torch.float32 and x.device.type == "cpu" and math.prod(lead) <= REDUCED_ROWS and _compiling():
-        return reduced_int8_linear(x.reshape(-1, K), q, scale, bias).reshape(*lead, q.shape[0])
+        return reduced_linear(x.reshape(-1, K), q, bias, scale).reshape(*lead, q.shape[0])
     xc = x.reshape(-1, K).to(scale.dtype).contiguous()
     if K % PACKED_K:  # the kernel crashes (not raises) on other widths: dequantise in the compute dtype
         y = F.linear(xc, q.to(scale.dtype)) * scale
@@ -84,26 +83,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return y if bias is None else y + bias
 
 
-def reduced_int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """`int8_linear` of a few rows x [M, K] inside a compiled graph: the codes upcast as they are read, multiplied
-    and summed over K in fp32, the row scale (and bias) applied to the sums, one rounding to x's dtype at the end
-    (x as given, not rounded to the compute dtype: `int8_linear_ref(..., exact_input=True)`).
-
-    For inductor only (as `model.fused.reduced_linear` for float weights): the generated code is one vectorised
-    pass over the int8 rows per input row, with no dequantised weight and no [M, N, K] temporary; in a decode step
-    the weights come from memory, and this reads 1 byte per weight at the loop's streaming rate instead of the
-    packed kernel's per-call cost on bf16 activations. Run eagerly it would build the [M, N, K] product."""
-    y = (x.float()[:, None, :] * q.float()).sum(-1) * scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
 def int8_linear_ref(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, exact_input: bool = False
 ):
     """The spec of `int8_linear`: dequantise in fp32 and multiply in fp32 (x rounded to the compute dtype first,
-    as the kernel reads it; as given with `exact_input`, as `reduced_int8_linear`)."""
+    as the kernel reads it; as given with `exact_input`, as the compiled reduction reads it)."""
     xf = x.float() if exact_input else x.to(scale.dtype).float()
     y = F.linear(xf, dequantize_int8(q, scale)).to(x.dtype)
     return y if bias is None else y + bias

@@ -132,8 +132,7 @@ class DecodeGraph:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.buckets = bucket_sizes(buckets, cache.max_slots)
-        self.groups = fused.groups(model)
-        self.watch = fused.Watch(self.groups)  # the fused weights' change check before each call
+        self.watch = fused.Watch(fused.groups(model))  # the fused weights' change check before each call
         self.compiles = 0  # graphs handed to the compiler backend (one per bucket used, when nothing recompiles)
         self.compile_seconds: dict[int, float] = {}  # bucket -> wall time of its first (compiling) call
         self.cuda = self.device.type == "cuda"
