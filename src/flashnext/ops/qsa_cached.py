@@ -110,27 +110,18 @@ def sparse_attention_cached(
         ks = k_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).permute(0, 2, 3, 1)  # [Tq, Hkv, D, n]
         vs = v_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
         qs = q[t0:t1].view(Tq, Hkv, G, D)
-        if torch.compiler.is_dynamo_compiling():  # a compiled decode step: see `_products`
-            w, attend = _products(qs, ks, vs)
-        else:
-            w, attend = torch.matmul(qs, ks), torch.matmul
-        w = (w * scale).masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
+        mm = _summed_matmul if torch.compiler.is_dynamo_compiling() else torch.matmul  # traced: a decode step
+        w = (mm(qs, ks) * scale).masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        outs.append(attend(w, vs).reshape(Tq, H, D))
+        outs.append(mm(w, vs).reshape(Tq, H, D))
     return torch.cat(outs)
 
 
-def _products(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor):
-    """`matmul(qs, ks)` and a `matmul(w, vs)` as broadcast products summed in (at least) fp32, in q's dtype, for
-    inductor: in a compiled decode step the gathers of the selected rows then fuse into the two reduction loops
-    (no gathered keys/values in memory) and bf16 skips oneDNN's batched GEMM, whose fixed cost dominated these
-    tiny products (a bf16 batch-1 step's `bmm`s were ~7% of it). The same sums as the GEMMs (fp32 accumulation,
-    one rounding), in another order."""
-    dtype = qs.dtype
-    acc = torch.promote_types(dtype, torch.float32)
-    w = (qs.to(acc)[..., :, None, :] * ks.to(acc).transpose(-1, -2)[..., None, :, :]).sum(-1).to(dtype)
-
-    def attend(p: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-        return (p.to(acc)[..., :, :, None] * vs.to(acc)[..., None, :, :]).sum(-2).to(dtype)
-
-    return w, attend
+def _summed_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.matmul(a, b)` ([..., M, K] @ [..., K, N]) as a broadcast product summed over K in (at least) fp32, in
+    a's dtype, for inductor: in a compiled decode step the gathers of the selected rows then fuse into the reduction
+    loops (no gathered keys/values in memory) and bf16 skips oneDNN's batched GEMM, whose fixed cost dominated these
+    tiny products (a bf16 batch-1 step's `bmm`s were ~7% of it). The same sums as the GEMM (fp32 accumulation, one
+    rounding), in another order."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    return (a.to(acc)[..., :, :, None] * b.to(acc)[..., None, :, :]).sum(-2).to(a.dtype)
