@@ -78,29 +78,27 @@ def _equal_rows(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, dil
     the taps are L-row slices of it (no history layout, index copies or visibility masks: the window holds every
     row a tap reads). The taps are summed in `_conv`'s order: the same result, bit for bit."""
     N, W = window.shape[:2]
-    K = weight.shape[-1]
     L, C = x.shape[0] // N, x.shape[1]
     x3 = torch.cat([window.to(x.dtype), x.view(N, L, C)], dim=1)  # [N, W + L, C]
-    out_dtype = weight.dtype
-    acc = torch.promote_types(out_dtype, torch.float32)
-    xa = x3.to(out_dtype).to(acc)
-    weight = weight.to(acc)
-    out = xa[:, W:] * weight[:, K - 1]
-    for k in range(1, K):
-        shift = k * dilation
-        out = out + xa[:, W - shift : W - shift + L] * weight[:, K - 1 - k]
-    return out.to(out_dtype).view(N * L, C), x3[:, L:]
+    return _block_rows(x3, weight, dilation, L).view(N * L, C), x3[:, L:]
 
 
-def _last_row(x3: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
-    """The conv at the last row of each [W + 1]-row block x3 [N, W + 1, C] -> [N, C] (the decode step)."""
+def _block_rows(x3: torch.Tensor, weight: torch.Tensor, dilation: int, L: int) -> torch.Tensor:
+    """The conv at the last L rows of each [W + L]-row block x3 [N, W + L, C] -> [N, L, C], taps summed in `_conv`'s
+    order."""
     K = weight.shape[-1]
-    W = x3.shape[1] - 1
+    W = x3.shape[1] - L
     out_dtype = weight.dtype
     acc = torch.promote_types(out_dtype, torch.float32)
     x3 = x3.to(out_dtype).to(acc)
     weight = weight.to(acc)
-    out = x3[:, W] * weight[:, K - 1]
+    out = x3[:, W:] * weight[:, K - 1]
     for k in range(1, K):
-        out = out + x3[:, W - k * dilation] * weight[:, K - 1 - k]
+        shift = k * dilation
+        out = out + x3[:, W - shift : W - shift + L] * weight[:, K - 1 - k]
     return out.to(out_dtype)
+
+
+def _last_row(x3: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """The conv at the last row of each [W + 1]-row block x3 [N, W + 1, C] -> [N, C] (the decode step)."""
+    return _block_rows(x3, weight, dilation, 1)[:, 0]
