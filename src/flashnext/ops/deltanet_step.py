@@ -48,10 +48,10 @@ def prepared_delta_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_step` on inputs already prepared (`prepare_qk`'s q and k, `decay` = exp(g) in fp32), so a
     caller stepping through several positions prepares them once. Returns o in fp32 and the new state."""
-    N, H, K = k.shape
-    V = v.shape[-1]
     if torch.compiler.is_dynamo_compiling():
         return _step_sums(q, k, v.float(), decay, beta.float(), state, in_place)
+    N, H, K = k.shape
+    V = v.shape[-1]
     S = state.float().reshape(N * H, K, V)
     # k^T (decay * S) as decay * (k^T S): one batched matvec over the old state instead of a scaled copy first.
     pred = torch.bmm(k.reshape(N * H, 1, K), S).view(N, H, V) * decay[..., None]
