@@ -7,7 +7,10 @@ decode graph compiled for each batch (inductor). Per batch, after warm-up, alter
 - `step_ms`: `Engine.step` of decode-only steps (scheduler, the graph, sampling, bookkeeping), median of 64;
   `model_step_ms` its `ModelStep` call (the graph, the fused-weight check, the inputs), `host_ms` the difference
   (scheduling, sampling, bookkeeping);
-- `graph_ms`: the compiled step alone (`DecodeGraph._compiled[N]`, every slot after 64 cached tokens), median of 64;
+- `graph_ms`: the compiled step alone through dynamo's entry (`DecodeGraph._compiled[N]`: frame evaluation,
+  guards, the entry's attribute walk; every slot after 64 cached tokens), median of 64; `bound_ms` the same step
+  as the engine calls it once bound (`DecodeGraph._bound[N]`: the graph function on its recorded tensors, no
+  dynamo), alternating with it; `bound_ms / graph_ms` what binding saves;
 - from one profiled run of the compiled step (torch profiler, self CPU time per step): `guards_ms` (dynamo's cache
   lookup: its guard evaluation), `wrapper_ms` (the compiled graph's wrapper: buffer allocation, kernel calls;
   without `--kernels` the generated kernels' time too), `kernels_ms` (the aten ops the graph calls; with `--kernels N`
@@ -17,8 +20,8 @@ The load average is printed: parts timed at a load above the thread count are no
 of a generated kernel stretches then).
 
 Output:
-    batch=<B> dtype=<d> step_ms=<x> model_step_ms=<m> host_ms=<x - m> graph_ms=<y> guards_ms=<g> wrapper_ms=<w>
-        kernels_ms=<k> load=<l>
+    batch=<B> dtype=<d> step_ms=<x> model_step_ms=<m> host_ms=<x - m> graph_ms=<y> bound_ms=<b> guards_ms=<g>
+        wrapper_ms=<w> kernels_ms=<k> load=<l>
       <share>% <us> us/step <calls>/step <kernel name>      (the heaviest kernels, with --kernels N)
 """
 
@@ -85,18 +88,20 @@ def step_ms(engine, batch: int, gen: torch.Generator) -> tuple[float, float]:
     return statistics.median(times) * 1e3, statistics.median(model) * 1e3
 
 
-def graph_ms(engine, batch: int, n: int = 64) -> float:
-    """Median of the compiled step alone (padding-free inputs: every slot decodes after 64 cached tokens, the
-    middle of `step_ms`'s requests)."""
+def graph_ms(engine, batch: int, n: int = 64) -> tuple[float, float]:
+    """Medians of the compiled step alone through dynamo's entry and bound (padding-free inputs: every slot decodes
+    after 64 cached tokens, the middle of `step_ms`'s requests), alternating."""
     dg = engine.decode_graph
     inputs = dg._inputs([1] * batch, list(range(batch)), [64] * batch, batch)
-    times = []
+    calls = {"graph": dg._compiled[batch], "bound": dg._bound[batch]}
+    times = {name: [] for name in calls}
     with torch.inference_mode():
         for _ in range(n):
-            t0 = time.perf_counter()
-            dg._compiled[batch](*inputs)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call(*inputs)
+                times[name].append(time.perf_counter() - t0)
+    return tuple(statistics.median(times[name]) * 1e3 for name in calls)
 
 
 def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
@@ -139,17 +144,20 @@ def main(argv=None) -> int:
     for batch in args.batches:
         engine = engine_for(batch, dtype, args.seed)
         gen = torch.Generator().manual_seed(args.seed)
-        steps, models, graphs = [], [], []
+        steps, models, graphs, bounds = [], [], [], []
         for _ in range(3):
-            s, m = step_ms(engine, batch, gen)
+            s, m = step_ms(engine, batch, gen)  # its first decode step binds the graph (bound afterwards)
             steps.append(s)
             models.append(m)
-            graphs.append(graph_ms(engine, batch))
-        step, model, graph = (statistics.median(x) for x in (steps, models, graphs))
+            g, b = graph_ms(engine, batch)
+            graphs.append(g)
+            bounds.append(b)
+        step, model, graph, bound = (statistics.median(x) for x in (steps, models, graphs, bounds))
         split, kernels = parts(engine, batch)
         shown = " ".join(f"{k}={v:.2f}" for k, v in split.items())
         print(f"batch={batch} dtype={args.dtype} step_ms={step:.2f} model_step_ms={model:.2f} "
-              f"host_ms={step - model:.2f} graph_ms={graph:.2f} {shown} load={os.getloadavg()[0]:.1f}",
+              f"host_ms={step - model:.2f} graph_ms={graph:.2f} bound_ms={bound:.2f} {shown} "
+              f"load={os.getloadavg()[0]:.1f}",
               flush=True)  # fmt: skip
         total = sum(ms for _, ms, _ in kernels) or 1.0
         for name, ms, calls in kernels[: args.kernels]:

@@ -159,6 +159,63 @@ def test_python_values_are_baked_into_the_graph_and_not_guarded(model, monkeypat
         torch.testing.assert_close(got, want, **TOL)
 
 
+def test_bound_steps_skip_dynamo_and_equal_the_guarded_call(model):
+    """After its compiling call, a bucket's steps run bound (module doc): dynamo's entry is not called any more
+    (here it raises), and a bound step equals the same step through dynamo's entry bit for bit, logits and cache
+    (the same graph function on the same tensors, by construction)."""
+    graph, step_both = _graph_and_eager(model, seed=4)
+    with torch.inference_mode():
+        step_both()  # compiles bucket 2 through dynamo
+        assert graph.bound() == []
+        got, want = step_both()  # the guards passed for this layout: binds, running the step
+        torch.testing.assert_close(got, want, **TOL)
+        assert graph.bound() == [2]
+        cache = graph.cache
+        start = [b.clone() for b in cache.buffers()]
+        guarded = graph._compiled[2]
+        via_dynamo = guarded(*graph._inputs([7, 8], [0, 1], [9, 9], 2)).clone()
+        after_dynamo = [b.clone() for b in cache.buffers()]
+        for b, s in zip(cache.buffers(), start, strict=True):
+            b.copy_(s)
+
+        def refuse(*args):
+            raise AssertionError("a bound step went through dynamo")
+
+        graph._compiled[2] = refuse
+        bound = graph.run([7, 8], [0, 1], [9, 9])
+        graph._compiled[2] = guarded
+    assert torch.equal(bound, via_dynamo)
+    assert all(torch.equal(b, a) for b, a in zip(cache.buffers(), after_dynamo, strict=True))
+    assert graph.compiles == 1
+
+
+def test_a_replaced_parameter_goes_through_the_guards_then_binds_again(model):
+    """A parameter's storage replaced (`p.data = ...`: same dtype, shape and strides, other values) moves the
+    layout stamp: the next step runs through dynamo's entry (its guards pass: no recompile) and reads the new
+    storage, equal to the eager step; the step after it is bound again, to the new storage. (A new parameter
+    object also goes through dynamo's entry, which recompiles for it: see the strides test above.)"""
+    graph, step_both = _graph_and_eager(model, seed=5)
+    calls = []
+    with torch.inference_mode():
+        step_both(), step_both()
+        assert graph.bound() == [2]
+        guarded = graph._compiled[2]
+        graph._compiled[2] = lambda *a: calls.append(1) or guarded(*a)
+        before, _ = step_both()
+        assert calls == []
+        head = model.lm_head
+        with torch.inference_mode(False):  # a plain tensor like the one it replaces (its guards pass)
+            head.weight.data = head.weight.detach() * 1.5
+        got, want = step_both()
+        assert calls == [1]
+        torch.testing.assert_close(got, want, **TOL)
+        assert not torch.allclose(got, before)
+        got, want = step_both()
+        assert calls == [1] and graph.bound() == [2]
+        torch.testing.assert_close(got, want, **TOL)
+    assert graph.compiles == 1
+
+
 def test_speculating_requests_stay_eager_and_exact(small_config):
     """A model with an MTP head, the decode graph on and speculation (k = 2) for two of three requests: steps
     holding a speculating request (drafts to verify, or the trunk residual its head needs) run eager, so
