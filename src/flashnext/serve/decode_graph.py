@@ -32,7 +32,7 @@ its steps skip dynamo altogether. `_BoundStep` runs the bucket's one compiled en
 swapped for a recorder, keeps the tensors it passed (parameters, fused weights, cache buffers: read in place, as
 a CUDA graph reads them at their addresses) and from then on calls the graph function on them with the step's
 ids / slots / positions: no frame evaluation, no guards, no attribute walk (-0.65 ms of a ~2.8 ms batch-1 step,
-1-thread CPU time). The layout stamp (`_Layout`: every parameter's and buffer's storage address, checked before
+1-thread CPU time). The layout check (`_Layout`: every parameter's and buffer's object and storage address, before
 each step) stands in for the guards: a tensor replaced by another (`load_state_dict(assign=True)`, `p.data = ...`,
 a new `nn.Parameter`) sends the next step through dynamo again (which recompiles if the new tensor's dtype, shape
 or strides differ), and the step after it binds anew. In-place updates (the weight-update and fused rebuild
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ import types
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from flashnext.errors import ConfigError
 from flashnext.model import fused
@@ -149,12 +151,13 @@ class DecodeGraph:
         self.cuda = self.device.type == "cuda"
         self.ready: set[int] = set()  # buckets whose graph is compiled (captured) and has run once
         self.background: threading.Thread | None = None  # the thread compiling buckets (`compile_in_background`)
-        self.layout = _Layout(model)  # storage addresses of every parameter and buffer (see the module doc)
+        self.layout = _Layout(model)  # every parameter and buffer, checked before each step (see the module doc)
+        self.layout.check()  # the layout graphs are compiled (captured) in, also by `warmup` and the background
         self._captured: dict[int, _CapturedStep] = {}
         self._compiled: dict[int, Callable] = {}
         self._codes: dict[int, types.CodeType] = {}  # bucket -> its private copy of `_step`'s code (dynamo's key)
         self._bound: dict[int, _BoundStep | None] = {}  # bucket -> its bound call (None: it cannot be bound)
-        self._checked: dict[int, tuple] = {}  # bucket -> layout stamp of its last call through dynamo's guards
+        self._checked: dict[int, int] = {}  # bucket -> layout generation of its last call through dynamo's guards
         if not self.cuda:
             inner = torch._dynamo.lookup_backend(backend)
             if backend == "inductor":
@@ -216,7 +219,8 @@ class DecodeGraph:
             raise ValueError(f"a decode step of {n} entries exceeds the largest bucket {self.buckets[-1]}")
         if self.background is not None and N not in self.ready:
             raise RuntimeError(f"decode bucket {N} is still compiling in the background; run this step eager")
-        self.watch.refresh()  # weights changed since the last step are seen by this one
+        if self.layout.check():  # weights changed since the last step are seen by this one
+            self.watch.refresh()
         logits = self._call(N, *self._inputs(ids, slots, cached, N))
         return logits[:n]
 
@@ -308,7 +312,7 @@ class DecodeGraph:
 
     def _cpu(self, N: int, ids, slots, cached) -> torch.Tensor:
         """CPU: bucket N's graph, bound (see the module doc) when the layout is the one its guards last passed."""
-        stamp = self.layout.stamp()
+        stamp = self.layout.generation
         bound = self._bound.get(N)
         if bound is not None and bound.stamp == stamp:
             return bound(ids, slots, cached)
@@ -327,7 +331,7 @@ class DecodeGraph:
 
     def _replay(self, N: int, ids, slots, cached) -> torch.Tensor:
         """CUDA: replay bucket N's graph (captured first, or again if a parameter moved to a new address)."""
-        stamp = self.layout.stamp()
+        stamp = self.layout.generation
         graph = self._captured.get(N)
         if graph is None or graph.stamp != stamp:
             graph = self._captured[N] = _CapturedStep(self._step, N, self.cache.scratch_slot, self.device, stamp)
@@ -341,15 +345,34 @@ def _tensor_guards(entries) -> list[bool]:
 
 
 class _Layout:
-    """Every parameter's and buffer's storage address (None for an empty slot), read through the modules' slots
-    collected once (a flat pass, ~30 us for the 31M model's 207 tensors): what a captured CUDA graph and a bound CPU
-    step have baked in."""
+    """Every parameter and buffer of a model, checked in one flat pass before each step (`check`, ~30 us for the
+    31M model's 207 tensors: the loops run in C through `map`). `generation` counts layout changes, a tensor
+    replaced by another object or its storage moved: what a captured CUDA graph and a bound CPU step have baked in.
+    `check` also says whether any parameter changed in place (its version counter), so the fused weights' own
+    check (`fused.Watch`) runs only then."""
 
     def __init__(self, model):
-        self._slots = [(d, name) for m in model.modules() for d in (m._parameters, m._buffers) for name in d]
+        slots = [(d, n) for m in model.modules() for d in (m._parameters, m._buffers) for n in d if d[n] is not None]
+        self._dicts, self._names = [d for d, _ in slots], [n for _, n in slots]
+        self._params = [i for i, (d, n) in enumerate(slots) if isinstance(d[n], nn.Parameter)]
+        self._seen: tuple | None = None  # (tensors, addresses, parameter versions) at the last check
+        self.generation = 0
 
-    def stamp(self) -> tuple:
-        return tuple(None if (t := d.get(name)) is None else t.data_ptr() for d, name in self._slots)
+    def check(self) -> bool:
+        """Whether anything changed since the last check (a tensor replaced, moved, or a parameter updated in
+        place); bumps `generation` when the layout did."""
+        tensors = list(map(dict.get, self._dicts, self._names))
+        try:
+            addresses = list(map(torch.Tensor.data_ptr, tensors))
+            versions = [tensors[i]._version for i in self._params]
+        except (TypeError, RuntimeError):  # a slot emptied, or a tensor without a version counter: always changed
+            self._seen, self.generation = None, self.generation + 1
+            return True
+        seen, self._seen = self._seen, (tensors, addresses, versions)
+        if seen is not None and all(map(operator.is_, tensors, seen[0])) and addresses == seen[1]:
+            return versions != seen[2]
+        self.generation += 1
+        return True
 
 
 class _BoundStep:
@@ -363,7 +386,7 @@ class _BoundStep:
     function and returning one of its outputs.
     """
 
-    def __init__(self, graph, args: list, where: list[int], out: int, stamp: tuple):
+    def __init__(self, graph, args: list, where: list[int], out: int, stamp: int):
         self.graph, self.args, self.where, self.out, self.stamp = graph, args, where, out, stamp
 
     def __call__(self, ids, slots, cached) -> torch.Tensor:
@@ -372,7 +395,7 @@ class _BoundStep:
         return self.graph(*args)[self.out]
 
     @staticmethod
-    def bind(code: types.CodeType, owner, stamp: tuple, ids, slots, cached):
+    def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
         """(the bound step or None, the logits of this step or None when it did not run)."""
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -408,7 +431,7 @@ def _stores(code: types.CodeType) -> bool:
 class _CapturedStep:
     """One bucket's decode step captured as a CUDA graph; inputs are copied into its fixed input tensors."""
 
-    def __init__(self, fn, N: int, scratch_slot: int, device: torch.device, stamp: tuple):
+    def __init__(self, fn, N: int, scratch_slot: int, device: torch.device, stamp: int):
         self.stamp = stamp
         self.ids = torch.zeros(N, dtype=torch.long, device=device)
         self.slots = torch.full((N,), scratch_slot, dtype=torch.long, device=device)
