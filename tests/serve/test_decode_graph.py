@@ -216,6 +216,26 @@ def test_a_replaced_parameter_goes_through_the_guards_then_binds_again(model):
     assert graph.compiles == 1
 
 
+def test_a_parameter_object_replaced_outside_the_fused_groups_is_seen(model):
+    """A norm's weight replaced by a new parameter object (other values, same layout): not a fused group's member,
+    so only the layout check's re-read of the modules' slots (after any registration) can see it; the next step
+    goes through dynamo (which recompiles for the new object) and equals the eager step with the new weight."""
+    graph, step_both = _graph_and_eager(model, seed=6)
+    with torch.inference_mode():
+        step_both(), step_both()
+        assert graph.bound() == [2]
+        before, _ = step_both()
+        norm = model.model.layers[1].self_attn.q_norm
+        with torch.inference_mode(False):
+            norm.weight = torch.nn.Parameter(norm.weight.detach() * -2.0, requires_grad=False)
+        got, want = step_both()
+        torch.testing.assert_close(got, want, **TOL)
+        assert not torch.allclose(got, before)
+        got, want = step_both()
+        torch.testing.assert_close(got, want, **TOL)
+        assert graph.bound() == [2]
+
+
 def test_speculating_requests_stay_eager_and_exact(small_config):
     """A model with an MTP head, the decode graph on and speculation (k = 2) for two of three requests: steps
     holding a speculating request (drafts to verify, or the trunk residual its head needs) run eager, so

@@ -55,7 +55,6 @@ import types
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from flashnext.errors import ConfigError
 from flashnext.model import fused
@@ -151,7 +150,9 @@ class DecodeGraph:
         self.cuda = self.device.type == "cuda"
         self.ready: set[int] = set()  # buckets whose graph is compiled (captured) and has run once
         self.background: threading.Thread | None = None  # the thread compiling buckets (`compile_in_background`)
-        self.layout = _Layout(model)  # every parameter and buffer, checked before each step (see the module doc)
+        members = [(m._parameters, n) for g in fused.groups(model) for m in g.members for n in ("weight", "bias")]
+        members = [(d, n) for d, n in members if d.get(n) is not None]
+        self.layout = _Layout(model, members)  # every parameter and buffer, checked before each step (module doc)
         self.layout.check()  # the layout graphs are compiled (captured) in, also by `warmup` and the background
         self._captured: dict[int, _CapturedStep] = {}
         self._compiled: dict[int, Callable] = {}
@@ -345,37 +346,73 @@ def _tensor_guards(entries) -> list[bool]:
 
 
 _VERSION = operator.attrgetter("_version")
+_REGISTRATIONS = [0]  # parameters and buffers (re)registered on any module since `_count_registrations` ran
+_HOOKS: list = []
+
+
+def _count_registrations() -> None:
+    """Count every parameter / buffer registration in the process (a module attribute set to a new tensor,
+    `load_state_dict(assign=True)`, ...) from now on; once per process."""
+    if not _HOOKS:
+        from torch.nn.modules import module
+
+        def count(mod, name, value):
+            _REGISTRATIONS[0] += 1
+
+        _HOOKS.extend([module.register_module_parameter_registration_hook(count),
+                       module.register_module_buffer_registration_hook(count)])  # fmt: skip
 
 
 class _Layout:
-    """Every parameter and buffer of a model, checked in one flat pass before each step (`check`, ~30 us for the
-    31M model's 207 tensors: the loops run in C through `map`). `generation` counts layout changes, a tensor
-    replaced by another object or its storage moved: what a captured CUDA graph and a bound CPU step have baked in.
-    `check` also says whether any parameter changed in place (its version counter), so the fused weights' own
-    check (`fused.Watch`) runs only then."""
+    """Every parameter and buffer of a model, checked before each step (`check`). `generation` counts layout
+    changes, a tensor replaced by another object or its storage moved: what a captured CUDA graph and a bound CPU
+    step have baked in. `check` also says whether a `versioned` parameter (the fused groups' members) changed in
+    place, so the fused weights' own check (`fused.Watch`) runs only then.
 
-    def __init__(self, model):
+    Cost: right after a decode graph has streamed the weights, every object the check touches is a cache miss (a
+    check of the 31M model's 207 tensors took 270 us there against 40 us warm). So a step reads only the held
+    tensors' addresses and the members' versions (~170 us cold); the modules' slots are read again (a replaced
+    tensor) only after a parameter or buffer registration anywhere in the process (`_count_registrations`)."""
+
+    def __init__(self, model, versioned: list[tuple[dict, str]]):
+        _count_registrations()
         held = [(d, n) for m in model.modules() for d in (m._parameters, m._buffers) for n in d if d[n] is not None]
-        held.sort(key=lambda slot: not isinstance(slot[0][slot[1]], nn.Parameter))  # parameters first
-        self._dicts, self._names = [d for d, _ in held], [n for _, n in held]
-        self._params = sum(isinstance(d[n], nn.Parameter) for d, n in held)
-        self._seen: tuple | None = None  # (tensors, addresses, parameter versions) at the last check
+        self._slots = ([d for d, _ in held], [n for _, n in held])
+        self._versioned_slots = ([d for d, _ in versioned], [n for _, n in versioned])
+        self._registrations = -1  # `_REGISTRATIONS` when the slots were last read
+        self._seen: tuple | None = None  # (tensors, versioned tensors, addresses, versions) at the last check
         self.generation = 0
 
     def check(self) -> bool:
-        """Whether anything changed since the last check (a tensor replaced, moved, or a parameter updated in
-        place); bumps `generation` when the layout did."""
-        tensors = list(map(dict.get, self._dicts, self._names))
+        """Whether anything changed since the last check (a tensor replaced, moved, or a versioned parameter
+        updated in place); bumps `generation` when the layout did."""
+        seen = self._seen
+        if seen is None or self._registrations != _REGISTRATIONS[0]:
+            return self._reread()
+        try:
+            addresses = list(map(torch.Tensor.data_ptr, seen[0]))
+            versions = list(map(_VERSION, seen[1]))
+        except RuntimeError:
+            return self._reread()
+        if addresses != seen[2]:
+            self.generation += 1
+        elif versions == seen[3]:
+            return False
+        self._seen = (seen[0], seen[1], addresses, versions)
+        return True
+
+    def _reread(self) -> bool:
+        self._registrations = _REGISTRATIONS[0]
+        tensors = list(map(dict.get, *self._slots))
+        versioned = list(map(dict.get, *self._versioned_slots))
+        seen, self._seen = self._seen, None
         try:
             addresses = list(map(torch.Tensor.data_ptr, tensors))
-            versions = list(map(_VERSION, tensors[: self._params]))
-        except (TypeError, RuntimeError):  # a slot emptied, or a tensor without a version counter: always changed
-            self._seen, self.generation = None, self.generation + 1
-            return True
-        seen, self._seen = self._seen, (tensors, addresses, versions)
-        if seen is not None and all(map(operator.is_, tensors, seen[0])) and addresses == seen[1]:
-            return versions != seen[2]
-        self.generation += 1
+            self._seen = (tensors, versioned, addresses, list(map(_VERSION, versioned)))
+        except (TypeError, RuntimeError):  # a slot emptied, or a member without a version counter: always changed
+            pass
+        if self._seen is None or seen is None or not all(map(operator.is_, tensors, seen[0])) or addresses != seen[2]:
+            self.generation += 1
         return True
 
 
