@@ -269,3 +269,67 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
     auto.plain_count[2] = 2  # fewer than 3 plain samples: calibrate now
     auto.before_step(reqs)
     assert [r.spec_k for r in reqs] == [0, 0]
+
+
+# ---- whole measured steps price k ------------------------------------------------------------------------------
+def _steps(auto, batch, k, seconds, model_seconds=0.010):
+    """Whole decode-only engine steps of `batch` stand-in requests with k drafts each (k = 0: plain) taking
+    `seconds` each, their model step `model_seconds` (what the cost model's line sees)."""
+    reqs = [_Req(10) for _ in range(batch)]
+    for r in reqs:
+        r.spec_k, r.drafts = (4, [7] * k) if k else (0, [])
+    for s in seconds:
+        auto.record_plan([(r, 1) for r in reqs], model_seconds)
+        auto.record_step_end(s)
+
+
+def _cheap_drafts_by_the_model(auto, batch):
+    """Model steps and proposals that make drafts look cheap to the cost model (c = 0.1, v ~ 0.02 batch)."""
+    for x in (0, 3, 0, 3):
+        auto.record_step(batch, x, 0.010 + 0.0002 * x)
+    auto.record_drafts(batch, 1, 0.001)
+    auto.plain[bucket(batch)] = 0.010
+
+
+def test_measured_whole_steps_turn_drafting_off_where_the_cost_model_would_draft():
+    """The cost model (draft 0.1 of a plain step, verify tokens nearly free) says draft; whole engine steps
+    measured at k = 1..4 (rollbacks, replays, proposal and host work included) cost so much that no k's measured
+    gain E(k) t_plain / t_k reaches `min_gain`: the request goes plain (k = 0, spec_k 0), and no probe is armed."""
+    auto = AutoSpec(min_samples=3)
+    _cheap_drafts_by_the_model(auto, 1)
+    req = _Req(10)
+    for _ in range(40):
+        auto.observe(req, 4, 2)  # ~[1, 1, 0, .5]: E(k) 2, 3, 3, 3
+    rates = auto.rates[req]
+    assert choose_k(rates, *auto.costs(1), 4, auto.min_gain) > 0  # what the cost model alone chose
+    _steps(auto, 1, 0, [0.010] * 2)
+    for k, t in ((1, 0.021), (2, 0.031), (3, 0.040), (4, 0.050)):  # every gain below 1: 2/2.1, 3/3.1, 3/4, 3/5
+        _steps(auto, 1, k, [t] * 3)
+    assert auto.ratios(1) == pytest.approx([1.0, 2.1, 3.1, 4.0, 5.0])
+    assert auto.draft_count(req, 4) == 0 and req.spec_k == 0 and req.drafts == []
+    assert not auto._could_pay(1)  # certain drafts: 2/2.1, 3/3.1, 4/4, 5/5, no probe either
+
+
+def test_measured_whole_steps_pick_the_best_measured_gain():
+    """Measured whole steps: k = 1 costs 1.3 plain steps, k = 2 2.0, k = 3 2.6, k = 4 3.0; with a first draft
+    accepted 0.95 and later ones 0.5 the measured gains are 1.5, 1.21, 1.02, 0.93: k = 1, where the cost model
+    (priors c + v = 0.32) would take k = 2. Until a k has `min_samples` steps the model prices it, raised to the
+    nearest measured k's per-draft cost; buckets are kept apart."""
+    auto = AutoSpec(min_samples=3)
+    req = _Req(10)
+    auto.rates[req] = [0.95, 0.5, 0.5, 0.5]
+    assert auto.draft_count(req, 4) == 2 and auto.ratios(1) == pytest.approx([1.0, 1.32, 1.64, 1.96, 2.28])
+    _steps(auto, 1, 0, [0.010, 0.012])  # plain: fast down, slow up -> 0.0102
+    t0 = auto.whole_plain[1]
+    _steps(auto, 1, 2, [2.0 * t0] * 2)
+    assert auto.ratios(1)[2] == pytest.approx(1.64)  # two samples: not yet measured
+    _steps(auto, 1, 2, [2.0 * t0])
+    assert auto.ratios(1) == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])  # k = 2 measured: 0.5 a draft for the rest
+    assert auto.draft_count(req, 4) == 1  # 1.95 / 1.5 = 1.3 against 2.425 / 2 = 1.21
+    for k, r in ((1, 1.3), (3, 2.6), (4, 3.0)):
+        _steps(auto, 1, k, [r * t0] * 3)
+    assert auto.ratios(1) == pytest.approx([1.0, 1.3, 2.0, 2.6, 3.0])
+    assert auto.draft_count(req, 4) == 1 and auto.draft_count(req, 1) == 1
+    assert auto.ratios(16) == pytest.approx([1.0 + k * (0.3 + 0.02 * 16) for k in range(5)])  # bucket 16: priors
+    auto.rates[req] = [1.0] * 4  # certain drafts: 2/1.3, 3/2, 4/2.6, 5/3 -> k = 4 (1.667)
+    assert auto.draft_count(req, 4) == 4

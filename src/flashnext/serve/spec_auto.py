@@ -30,6 +30,12 @@ doubles the wait before the next (up to `max_backoff`). No probe runs while even
 would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
 speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
 only cost), and once they are measured, queued requests that could not gain as much start plain.
+The whole step prices k once measured: per batch bucket and draft length k (the longest draft of the step), the
+decayed mean time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host
+work), over the plain step's (fast down, slow up). With `min_samples` of them, gain(k) = E(k) * t_plain / t_k, so
+the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet keeps the cost
+model, its per-draft cost raised to the nearest measured k's (the model alone leaves out rollbacks, replays and
+the speculative step's fixed costs: it priced an extra draft at 0.1-0.25 of a plain step where runs said ~0.3).
 Calibration: after `calibrate_every` speculative decode steps of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
@@ -58,7 +64,14 @@ def choose_k(a, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
     """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc; `a` one acceptance
     or per-position rates, as `expected_tokens`); 0 when no k > 0 beats plain decoding by `min_gain`. Ties
     (within 1e-9) go to the shorter draft."""
-    gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
+    return best_k(a, [1.0 + k * (c + v) for k in range(k_max + 1)], min_gain)
+
+
+def best_k(a, ratios, min_gain: float = 1.0) -> int:
+    """The draft length k in [0, len(ratios) - 1] maximising E(k) / ratios[k], where ratios[k] is the time of a
+    step with k drafts over a plain step's (ratios[0] = 1); 0 when no k > 0 gains `min_gain`. Ties (within 1e-9)
+    go to the shorter draft."""
+    gains = [expected_tokens(a, k) / r for k, r in enumerate(ratios)]
     top = max(gains)
     best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
     return best if gains[best] >= min_gain else 0
@@ -95,6 +108,26 @@ class _Line:
         return (sx / n, sy / n) if n else None
 
 
+class _Mean:
+    """Decayed mean of samples (each older sample's weight times `decay`); `n` counts the samples."""
+
+    def __init__(self, decay: float):
+        self.decay, self.w, self.mean, self.n = decay, 0.0, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.w = self.w * self.decay + 1.0
+        self.mean += (x - self.mean) / self.w
+        self.n += 1
+
+
+def _fast_down(old: float | None, seconds: float) -> float:
+    """Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is taken at once
+    and a slower one averaged in (one slow early sample would otherwise pass for the plain cost until the next
+    calibration, making every draft look cheap)."""
+    old = seconds if old is None else old
+    return min(seconds, old + 0.1 * (seconds - old))
+
+
 class AutoSpec:
     """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
 
@@ -110,12 +143,13 @@ class AutoSpec:
         probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
             up to `max_backoff` times).
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
+        min_samples: whole speculative steps with k drafts a bucket needs before their measured time prices k.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64, probe_gain: float = 1.2):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -135,6 +169,11 @@ class AutoSpec:
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
+        # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
+        self.whole: dict[tuple[int, int], _Mean] = {}  # (bucket, most drafts of an entry) -> seconds per step
+        self.whole_plain: dict[int, float] = {}  # bucket -> seconds of a plain step (fast down, slow up)
+        self.min_samples = min_samples
+        self._pending: tuple[int, int] | None = None  # this step's (bucket, k), from `record_plan`
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
@@ -161,20 +200,59 @@ class AutoSpec:
         """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
         every entry decodes (no prompt chunk): a plain step's time (no request speculating), or a speculative
         step's with the tokens fed beyond one per entry."""
+        self._pending = None
         if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
             return
         b = bucket(len(plan))
+        k = max(len(req.drafts) for req, _ in plan)
+        if k or not any(req.spec_k for req, _ in plan):  # (a step feeding head cells without drafts: neither)
+            self._pending = (len(plan), k)
         if not any(req.spec_k for req, _ in plan):
-            # Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is
-            # taken at once and a slower one averaged in (one slow early sample would otherwise pass for the
-            # plain cost until the next calibration, making every draft look cheap).
-            old = self.plain.get(b, seconds)
-            self.plain[b] = min(seconds, old + 0.1 * (seconds - old))
+            self.plain[b] = _fast_down(self.plain.get(b), seconds)
             self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
         self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+
+    def record_step_end(self, seconds: float) -> None:
+        """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
+        if self._pending is not None:
+            self.record_whole(*self._pending, seconds)
+            self._pending = None
+
+    def record_whole(self, batch: int, k: int, seconds: float) -> None:
+        """A whole decode-only step of `batch` entries whose longest draft was `k` (0: a plain step): the time that
+        prices k against plain decoding (`ratios`)."""
+        b = bucket(batch)
+        if k == 0:
+            self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds)
+        else:
+            self.whole.setdefault((b, k), _Mean(self.decay)).add(seconds)
+
+    def ratios(self, batch: int) -> list[float]:
+        """Per k in [0, k_max], a step with k drafts over a plain step, in time. From the whole steps measured at
+        this batch's bucket where k has `min_samples` of them and the bucket a plain one (rollbacks, replays,
+        proposals and host work included); else the cost model's 1 + k (c + v) (`costs`: the priors while
+        unmeasured), raised to the per-draft cost of the nearest measured k (ties: the shorter one)."""
+        c, v = self.costs(batch)
+        model = [1.0 + k * (c + v) for k in range(self.k_max + 1)]
+        b = bucket(batch)
+        t0 = self.whole_plain.get(b)
+        if self.fixed is not None or t0 is None:
+            return model
+        measured = {
+            k: m.mean / t0 for k in range(1, self.k_max + 1) if (m := self.whole.get((b, k))) and m.n >= self.min_samples
+        }
+        out = [1.0]
+        for k in range(1, self.k_max + 1):
+            if k in measured:
+                out.append(measured[k])
+                continue
+            near = min(measured, key=lambda j: (abs(j - k), j), default=None)
+            per = (measured[near] - 1.0) / near if near is not None else 0.0
+            out.append(1.0 + k * max(c + v, per))
+        return out
 
     def record_proposal(self, batch: int, cells, seconds: float) -> None:
         """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
@@ -184,9 +262,11 @@ class AutoSpec:
             self.record_drafts(batch, longest, seconds)
 
     def measured(self, batch: int) -> bool:
-        """Whether `costs(batch)` comes from measurements (or `fixed`), not the priors."""
+        """Whether `ratios(batch)` come from measurements (or `fixed`), not the priors."""
         b, line = bucket(batch), self.steps.get(bucket(batch))
         if self.fixed is not None:
+            return True
+        if b in self.whole_plain and any(m.n >= self.min_samples for (wb, _), m in self.whole.items() if wb == b):
             return True
         return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
 
@@ -220,8 +300,7 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        c, v = self.costs(self.batch)
-        k = min(cap, choose_k(self.rates.get(req, self.rate), c, v, self.k_max, self.min_gain))
+        k = min(cap, best_k(self.rates.get(req, self.rate), self.ratios(self.batch), self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -268,7 +347,7 @@ class AutoSpec:
 
     def _could_pay(self, batch: int) -> bool:
         """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
-        return choose_k(1.0, *self.costs(batch), self.k_max, max(self.min_gain, self.probe_gain)) > 0
+        return best_k(1.0, self.ratios(batch), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
