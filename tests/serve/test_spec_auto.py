@@ -313,16 +313,16 @@ def test_measured_whole_steps_turn_drafting_off_where_the_cost_model_would_draft
 def test_measured_whole_steps_pick_the_best_measured_gain():
     """Measured whole steps: k = 1 costs 1.3 plain steps, k = 2 2.0, k = 3 2.6, k = 4 3.0; with a first draft
     accepted 0.95 and later ones 0.5 the measured gains are 1.5, 1.21, 1.02, 0.93: k = 1, where the cost model
-    (priors c + v = 0.32) would take k = 2. Until a k has `min_samples` steps the model prices it, raised to the
+    (priors c + v = 0.305) would take k = 2. Until a k has `min_samples` steps the model prices it, raised to the
     nearest measured k's per-draft cost; buckets are kept apart."""
     auto = AutoSpec(min_samples=3)
     req = _Req(10)
     auto.rates[req] = [0.95, 0.5, 0.5, 0.5]
-    assert auto.draft_count(req, 4) == 2 and auto.ratios(1) == pytest.approx([1.0, 1.32, 1.64, 1.96, 2.28])
+    assert auto.draft_count(req, 4) == 2 and auto.ratios(1) == pytest.approx([1.0 + 0.305 * k for k in range(5)])
     _steps(auto, 1, 0, [0.010, 0.012])  # plain: fast down, slow up -> 0.0102
     t0 = auto.whole_plain[1]
     _steps(auto, 1, 2, [2.0 * t0] * 2)
-    assert auto.ratios(1)[2] == pytest.approx(1.64)  # two samples: not yet measured
+    assert auto.ratios(1)[2] == pytest.approx(1.61)  # two samples: not yet measured
     _steps(auto, 1, 2, [2.0 * t0])
     assert auto.ratios(1) == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])  # k = 2 measured: 0.5 a draft for the rest
     assert auto.draft_count(req, 4) == 1  # 1.95 / 1.5 = 1.3 against 2.425 / 2 = 1.21
@@ -330,6 +330,35 @@ def test_measured_whole_steps_pick_the_best_measured_gain():
         _steps(auto, 1, k, [r * t0] * 3)
     assert auto.ratios(1) == pytest.approx([1.0, 1.3, 2.0, 2.6, 3.0])
     assert auto.draft_count(req, 4) == 1 and auto.draft_count(req, 1) == 1
-    assert auto.ratios(16) == pytest.approx([1.0 + k * (0.3 + 0.02 * 16) for k in range(5)])  # bucket 16: priors
+    assert auto.ratios(16) == pytest.approx([1.0 + k * (0.3 + 0.005 * 16) for k in range(5)])  # bucket 16: priors
+    _steps(auto, 16, 0, [0.010])
+    lone = [_Req(10) for _ in range(16)]  # one request probing in a plain batch: under half a draft per entry
+    for r in lone[1:]:
+        r.spec_k, r.drafts = 0, []
+    for _ in range(5):
+        auto.record_plan([(r, 1) for r in lone], 0.010)
+        auto.record_step_end(0.010)
+    assert (16, 1) not in auto.whole and (16, 2) not in auto.whole and auto.whole_plain[16] == 0.010
     auto.rates[req] = [1.0] * 4  # certain drafts: 2/1.3, 3/2, 4/2.6, 5/3 -> k = 4 (1.667)
     assert auto.draft_count(req, 4) == 4
+
+
+def test_whole_step_times_shrug_off_a_burst_and_are_forgotten_when_stale():
+    """Load comes in bursts that double a few steps in a row: k = 1 steps first measured at 3 plain steps, then at
+    1.2 take the lower time at once (a mean would have priced k = 1 at ~2.2 and turned drafting off). A k whose
+    latest whole step is more than `forget` decode steps old prices by the cost model again (so drafting turned
+    off by a cost measured under load is retried)."""
+    auto = AutoSpec(min_samples=3, forget=20)
+    req = _Req(10)
+    auto.rates[req] = [0.9] * 4
+    _steps(auto, 1, 0, [0.010])
+    _steps(auto, 1, 1, [0.030] * 3)
+    assert auto.ratios(1)[1] == pytest.approx(3.0) and auto.draft_count(req, 1) == 0
+    _steps(auto, 1, 1, [0.012])
+    assert auto.ratios(1)[1] == pytest.approx(1.2) and auto.draft_count(req, 1) == 1
+    _steps(auto, 1, 1, [0.030] * 3)  # slow up: 1.2 -> 1.38 -> 1.54 -> 1.69 (each a tenth of the way to 3)
+    assert auto.ratios(1)[1] == pytest.approx(1.6878, abs=1e-3)
+    _steps(auto, 1, 0, [0.010] * 20)
+    assert auto.ratios(1)[1] == pytest.approx(1.6878, abs=1e-3)  # 20 steps old: still measured
+    _steps(auto, 1, 0, [0.010])
+    assert auto.ratios(1) == pytest.approx([1.0 + 0.305 * k for k in range(5)])  # k = 1 forgotten: the priors

@@ -30,9 +30,12 @@ doubles the wait before the next (up to `max_backoff`). No probe runs while even
 would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
 speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
 only cost), and once they are measured, queued requests that could not gain as much start plain.
-The whole step prices k once measured: per batch bucket and draft length k (the longest draft of the step), the
-decayed mean time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host
-work), over the plain step's (fast down, slow up). With `min_samples` of them, gain(k) = E(k) * t_plain / t_k, so
+The whole step prices k once measured: per batch bucket and draft length k (the step's drafts per entry, rounded;
+a step of under half a draft per entry, such as one probe in a plain batch, prices nothing), the
+time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host work), fast
+down, slow up as the plain step's (this box's load comes in bursts of ~0.5 s that double a few steps in a row: a mean
+of the first samples read a k = 2 step at 3.5 plain steps and turned drafting off for good). With `min_samples` of
+them, the latest within `forget` decode steps, gain(k) = E(k) * t_plain / t_k, so
 the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet keeps the cost
 model, its per-draft cost raised to the nearest measured k's (the model alone leaves out rollbacks, replays and
 the speculative step's fixed costs: it priced an extra draft at 0.1-0.25 of a plain step where runs said ~0.3).
@@ -108,16 +111,15 @@ class _Line:
         return (sx / n, sy / n) if n else None
 
 
-class _Mean:
-    """Decayed mean of samples (each older sample's weight times `decay`); `n` counts the samples."""
+class _Low:
+    """A step time kept fast down, slow up (`_fast_down`), with its sample count and the decode step (`AutoSpec`'s
+    clock) of its latest sample."""
 
-    def __init__(self, decay: float):
-        self.decay, self.w, self.mean, self.n = decay, 0.0, 0.0, 0
+    def __init__(self):
+        self.seconds, self.n, self.last = None, 0, 0
 
-    def add(self, x: float) -> None:
-        self.w = self.w * self.decay + 1.0
-        self.mean += (x - self.mean) / self.w
-        self.n += 1
+    def add(self, seconds: float, clock: int) -> None:
+        self.seconds, self.n, self.last = _fast_down(self.seconds, seconds), self.n + 1, clock
 
 
 def _fast_down(old: float | None, seconds: float) -> float:
@@ -135,7 +137,9 @@ class AutoSpec:
         k_max: the longest draft.
         fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
         prior_rate: the engine-wide acceptance of every draft position before any verification.
-        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
+        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch; 0.005: whole
+            k = 1 steps at batch 16 measured ~1.38 plain steps on the tiny and the deep configs, c + 16 v; the
+            measured whole steps correct an optimistic start within a few steps).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
         probe_gain: the gain drafts certain to be accepted must promise at the batch's measured costs before a
@@ -144,12 +148,13 @@ class AutoSpec:
             up to `max_backoff` times).
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
         min_samples: whole speculative steps with k drafts a bucket needs before their measured time prices k.
+        forget: decode steps after a k's latest whole step before its measured time stops pricing it.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
-                 prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
+                 prior_c: float = 0.3, prior_v: float = 0.005, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3, forget: int = 256):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -170,7 +175,10 @@ class AutoSpec:
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
         # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
-        self.whole: dict[tuple[int, int], _Mean] = {}  # (bucket, most drafts of an entry) -> seconds per step
+        self.whole: dict[tuple[int, int], _Low] = {}  # (bucket, drafts per entry) -> seconds per step
+        self.clock = 0  # decode-only steps recorded
+        self._ratios: tuple[tuple[int, int], list[float]] | None = None  # ((clock, batch), ratios) of this step
+        self.forget = forget
         self.whole_plain: dict[int, float] = {}  # bucket -> seconds of a plain step (fast down, slow up)
         self.min_samples = min_samples
         self._pending: tuple[int, int] | None = None  # this step's (bucket, k), from `record_plan`
@@ -203,9 +211,11 @@ class AutoSpec:
         self._pending = None
         if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
             return
+        self.clock += 1
         b = bucket(len(plan))
-        k = max(len(req.drafts) for req, _ in plan)
-        if k or not any(req.spec_k for req, _ in plan):  # (a step feeding head cells without drafts: neither)
+        drafts = sum(len(req.drafts) for req, _ in plan)
+        k = int(drafts / len(plan) + 0.5)  # drafts per entry, rounded
+        if k or not any(req.spec_k for req, _ in plan):  # neither: head cells without drafts, a lone probe
             self._pending = (len(plan), k)
         if not any(req.spec_k for req, _ in plan):
             self.plain[b] = _fast_down(self.plain.get(b), seconds)
@@ -222,13 +232,13 @@ class AutoSpec:
             self._pending = None
 
     def record_whole(self, batch: int, k: int, seconds: float) -> None:
-        """A whole decode-only step of `batch` entries whose longest draft was `k` (0: a plain step): the time that
-        prices k against plain decoding (`ratios`)."""
+        """A whole decode-only step of `batch` entries with `k` drafts per entry (rounded; 0: a plain step): the
+        time that prices k against plain decoding (`ratios`)."""
         b = bucket(batch)
         if k == 0:
             self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds)
         else:
-            self.whole.setdefault((b, k), _Mean(self.decay)).add(seconds)
+            self.whole.setdefault((b, k), _Low()).add(seconds, self.clock)
 
     def ratios(self, batch: int) -> list[float]:
         """Per k in [0, k_max], a step with k drafts over a plain step, in time. From the whole steps measured at
@@ -241,9 +251,7 @@ class AutoSpec:
         t0 = self.whole_plain.get(b)
         if self.fixed is not None or t0 is None:
             return model
-        measured = {
-            k: m.mean / t0 for k in range(1, self.k_max + 1) if (m := self.whole.get((b, k))) and m.n >= self.min_samples
-        }
+        measured = {k: self.whole[b, k].seconds / t0 for k in range(1, self.k_max + 1) if self._fresh(self.whole.get((b, k)))}
         out = [1.0]
         for k in range(1, self.k_max + 1):
             if k in measured:
@@ -253,6 +261,11 @@ class AutoSpec:
             per = (measured[near] - 1.0) / near if near is not None else 0.0
             out.append(1.0 + k * max(c + v, per))
         return out
+
+    def _fresh(self, low: _Low | None) -> bool:
+        """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
+        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
+        return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
 
     def record_proposal(self, batch: int, cells, seconds: float) -> None:
         """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
@@ -266,7 +279,7 @@ class AutoSpec:
         b, line = bucket(batch), self.steps.get(bucket(batch))
         if self.fixed is not None:
             return True
-        if b in self.whole_plain and any(m.n >= self.min_samples for (wb, _), m in self.whole.items() if wb == b):
+        if b in self.whole_plain and any(self._fresh(m) for (wb, _), m in self.whole.items() if wb == b):
             return True
         return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
 
@@ -300,7 +313,9 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        k = min(cap, best_k(self.rates.get(req, self.rate), self.ratios(self.batch), self.min_gain))
+        if self._ratios is None or self._ratios[0] != (self.clock, self.batch):  # once a step, not per request
+            self._ratios = ((self.clock, self.batch), self.ratios(self.batch))
+        k = min(cap, best_k(self.rates.get(req, self.rate), self._ratios[1], self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
