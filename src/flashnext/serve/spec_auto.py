@@ -13,7 +13,8 @@ Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + 
 k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
 
 `AutoSpec` keeps what the choice needs:
-- per request and draft position, an exponentially weighted acceptance (each verified draft a Bernoulli trial of
+- per request and draft position (the choice past batch 1 takes the running requests' mean, one k for every auto
+  request of a step: see `draft_count`), an exponentially weighted acceptance (each verified draft a Bernoulli trial of
   its position: accepted drafts are successes, the first rejected one a failure, the positions after it not
   tried), seeded from the engine-wide rates (themselves seeded at `prior_rate`). Per position because a head's
   first draft, one step from the trunk's residual, is accepted far more often than the chained ones after it (the
@@ -32,9 +33,11 @@ speculative step, and where certain drafts would gain a few percent, measured co
 only cost), and once they are measured, queued requests that could not gain as much start plain.
 The whole step prices k once measured: per batch bucket and draft length k (the step's drafts per entry, rounded;
 a step of under half a draft per entry, such as one probe in a plain batch, prices nothing), the
-time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host work), fast
-down, slow up as the plain step's (this box's load comes in bursts of ~0.5 s that double a few steps in a row: a mean
-of the first samples read a k = 2 step at 3.5 plain steps and turned drafting off for good). With `min_samples` of
+time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host work): the
+mean of its recent samples within 1.5x their low envelope (`_Times`: this box's load comes in bursts of ~0.5 s that
+double a few steps in a row, and a plain mean of the first samples read a k = 2 step at 3.5 plain steps and turned
+drafting off for good; an envelope alone would drop the replays after rejections), over the plain step's envelope
+(fast down, slow up: every plain step does the same work). With `min_samples` of
 them, the latest within `forget` decode steps, gain(k) = E(k) * t_plain / t_k, so
 the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet keeps the cost
 model, its per-draft cost raised to the nearest measured k's (the model alone leaves out rollbacks, replays and
@@ -46,6 +49,7 @@ bucket without a plain one, its auto requests are held plain for one step, so th
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
@@ -111,15 +115,23 @@ class _Line:
         return (sx / n, sy / n) if n else None
 
 
-class _Low:
-    """A step time kept fast down, slow up (`_fast_down`), with its sample count and the decode step (`AutoSpec`'s
-    clock) of its latest sample."""
+class _Times:
+    """Whole-step times of one (bucket, k): the low envelope (`_fast_down`), the latest `keep` samples, the sample
+    count and the decode step (`AutoSpec`'s clock) of the latest. `seconds()` is the mean of the kept samples within
+    `burst` times the envelope: a step's own variation (a rejected draft's replay feeds more tokens next step, ~1.1-1.3x)
+    counts, a burst of load on a shared machine (2-3x a few steps in a row) does not."""
 
-    def __init__(self):
-        self.seconds, self.n, self.last = None, 0, 0
+    def __init__(self, keep: int = 16, burst: float = 1.5):
+        self.low, self.n, self.last, self.burst = None, 0, 0, burst
+        self.recent: collections.deque = collections.deque(maxlen=keep)
 
     def add(self, seconds: float, clock: int) -> None:
-        self.seconds, self.n, self.last = _fast_down(self.seconds, seconds), self.n + 1, clock
+        self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
+        self.recent.append(seconds)
+
+    def seconds(self) -> float:
+        kept = [x for x in self.recent if x <= self.burst * self.low]
+        return sum(kept) / len(kept)
 
 
 def _fast_down(old: float | None, seconds: float) -> float:
@@ -170,12 +182,13 @@ class AutoSpec:
         self.steps: dict[int, _Line] = {}
         self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
         self.batch = 1
+        self.batch_rates: list[float] = []  # the running requests' mean acceptance per position (`before_step`)
         self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
         # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
-        self.whole: dict[tuple[int, int], _Low] = {}  # (bucket, drafts per entry) -> seconds per step
+        self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> seconds per step
         self.clock = 0  # decode-only steps recorded
         self._ratios: tuple[tuple[int, int], list[float]] | None = None  # ((clock, batch), ratios) of this step
         self.forget = forget
@@ -238,7 +251,7 @@ class AutoSpec:
         if k == 0:
             self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds)
         else:
-            self.whole.setdefault((b, k), _Low()).add(seconds, self.clock)
+            self.whole.setdefault((b, k), _Times()).add(seconds, self.clock)
 
     def ratios(self, batch: int) -> list[float]:
         """Per k in [0, k_max], a step with k drafts over a plain step, in time. From the whole steps measured at
@@ -251,7 +264,7 @@ class AutoSpec:
         t0 = self.whole_plain.get(b)
         if self.fixed is not None or t0 is None:
             return model
-        measured = {k: self.whole[b, k].seconds / t0 for k in range(1, self.k_max + 1) if self._fresh(self.whole.get((b, k)))}
+        measured = {k: self.whole[b, k].seconds() / t0 for k in range(1, self.k_max + 1) if self._fresh(self.whole.get((b, k)))}
         out = [1.0]
         for k in range(1, self.k_max + 1):
             if k in measured:
@@ -262,7 +275,7 @@ class AutoSpec:
             out.append(1.0 + k * max(c + v, per))
         return out
 
-    def _fresh(self, low: _Low | None) -> bool:
+    def _fresh(self, low: _Times | None) -> bool:
         """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
         (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
         return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
@@ -315,7 +328,11 @@ class AutoSpec:
             return min(1, cap)
         if self._ratios is None or self._ratios[0] != (self.clock, self.batch):  # once a step, not per request
             self._ratios = ((self.clock, self.batch), self.ratios(self.batch))
-        k = min(cap, best_k(self.rates.get(req, self.rate), self._ratios[1], self.min_gain))
+        # Past batch 1 every auto request of the step drafts the same k, from the batch's mean rates: entries of
+        # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
+        # entries took ~1.7x the time of one of 1-draft entries on the deep config).
+        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
+        k = min(cap, best_k(rates, self._ratios[1], self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -335,6 +352,9 @@ class AutoSpec:
         Queued requests not started yet start plain when the measured costs of the batch they will join say the
         same (no head cells for their prompts)."""
         self.batch = max(1, len(running))
+        if self.batch > 1:  # per draft position, the mean over the running requests' rates (`draft_count`)
+            each = [self.rates.get(req, self.rate) for req in running]
+            self.batch_rates = [sum(r[j] for r in each) / len(each) for j in range(len(self.rate))]
         if waiting:
             joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
             if self.measured(joined) and not self._could_pay(joined):
