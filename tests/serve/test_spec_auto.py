@@ -246,8 +246,8 @@ def test_calibration_pauses_speculation_for_one_plain_step():
 
 def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
     """The plain step time t0 takes a faster sample at once and averages a slower one in (shared-machine noise
-    only adds time); while a bucket has fewer than 3 plain samples, a calibration step comes after 8 speculative
-    steps, not `calibrate_every`."""
+    only adds time); the first calibration step comes after 8 speculative steps, the next after 16, 32, ... up to
+    `calibrate_every` (each costs two steps without drafts)."""
     auto = AutoSpec(calibrate_every=64)
     reqs = [_Req(10), _Req(20)]
     spec = [(r, 1) for r in reqs]
@@ -264,9 +264,12 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
         auto.before_step(reqs)
         assert all(r.spec_k == 4 for r in reqs)
         auto.record_plan(spec, 0.012)
-    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet
+    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet (32)
     assert all(r.spec_k == 4 for r in reqs)
-    auto.plain_count[2] = 2  # fewer than 3 plain samples: calibrate now
+    auto.plain_count[2] = 1  # one plain sample: after 16
+    auto.before_step(reqs)
+    assert all(r.spec_k == 4 for r in reqs)
+    auto.plain_count[2] = 0  # none: calibrate now
     auto.before_step(reqs)
     assert [r.spec_k for r in reqs] == [0, 0]
 

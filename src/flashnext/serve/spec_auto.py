@@ -42,7 +42,7 @@ them, the latest within `forget` decode steps, gain(k) = E(k) * t_plain / t_k, s
 the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet keeps the cost
 model, its per-draft cost raised to the nearest measured k's (the model alone leaves out rollbacks, replays and
 the speculative step's fixed costs: it priced an extra draft at 0.1-0.25 of a plain step where runs said ~0.3).
-Calibration: after `calibrate_every` speculative decode steps of a
+Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 16, 32, ...) of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
@@ -386,15 +386,16 @@ class AutoSpec:
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one (8 while it has fewer than 3 plain ones measured), pause its speculating
-        requests for one step (a plain step to measure against: without it a speculative step's fixed overhead
-        would pass for plain cost)."""
+        decode steps without a plain one (8 after none measured, then 16, 32, ...: each calibration costs the
+        paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
+        step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
+        cost)."""
         for req in list(self.paused):
             self.paused.discard(req)
             if not req.finished and req.spec_k == 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
         b = bucket(self.batch)
-        due = self.calibrate_every if self.plain_count.get(b, 0) >= 3 else min(self.calibrate_every, 8)
+        due = min(self.calibrate_every, 8 << min(self.plain_count.get(b, 0), 8))  # 8, 16, 32, ... steps
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         self.since_plain[b] = 0
