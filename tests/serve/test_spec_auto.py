@@ -220,7 +220,7 @@ class _Req:
 
     def __init__(self, num_cached: int):
         self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
-        self.mtp_cells, self.resume_residual, self.prompt_ids = num_cached, None, [1]
+        self.mtp_cells, self.resume_residual, self.prompt_ids, self.output_ids = num_cached, None, [1], []
         self.params = SamplingParams()
 
 
@@ -274,15 +274,17 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
     assert [r.spec_k for r in reqs] == [0, 0]
 
 
-# ---- whole measured steps price k ------------------------------------------------------------------------------
-def _steps(auto, batch, k, seconds, model_seconds=0.010):
+# ---- measured tokens per second price k -----------------------------------------------------------------------
+def _steps(auto, batch, k, seconds, tokens=None, model_seconds=0.010):
     """Whole decode-only engine steps of `batch` stand-in requests with k drafts each (k = 0: plain) taking
-    `seconds` each, their model step `model_seconds` (what the cost model's line sees)."""
+    `seconds` each and emitting `tokens` each (default one per entry), their model step `model_seconds` (what the
+    cost model's line sees)."""
     reqs = [_Req(10) for _ in range(batch)]
     for r in reqs:
         r.spec_k, r.drafts = (4, [7] * k) if k else (0, [])
     for s in seconds:
         auto.record_plan([(r, 1) for r in reqs], model_seconds)
+        reqs[0].output_ids.extend([5] * (batch if tokens is None else tokens))
         auto.record_step_end(s)
 
 
@@ -294,10 +296,11 @@ def _cheap_drafts_by_the_model(auto, batch):
     auto.plain[bucket(batch)] = 0.010
 
 
-def test_measured_whole_steps_turn_drafting_off_where_the_cost_model_would_draft():
+def test_measured_tokens_per_second_turn_drafting_off_where_the_cost_model_would_draft():
     """The cost model (draft 0.1 of a plain step, verify tokens nearly free) says draft; whole engine steps
-    measured at k = 1..4 (rollbacks, replays, proposal and host work included) cost so much that no k's measured
-    gain E(k) t_plain / t_k reaches `min_gain`: the request goes plain (k = 0, spec_k 0), and no probe is armed."""
+    measured at k = 1..4 (rollbacks, replays, proposal and host work included) emit too few tokens for their time:
+    no k's measured tokens per second beat plain decoding's, so the request goes plain (k = 0, spec_k 0) and no
+    probe is armed."""
     auto = AutoSpec(min_samples=3)
     _cheap_drafts_by_the_model(auto, 1)
     req = _Req(10)
@@ -306,34 +309,45 @@ def test_measured_whole_steps_turn_drafting_off_where_the_cost_model_would_draft
     rates = auto.rates[req]
     assert choose_k(rates, *auto.costs(1), 4, auto.min_gain) > 0  # what the cost model alone chose
     _steps(auto, 1, 0, [0.010] * 2)
-    for k, t in ((1, 0.021), (2, 0.031), (3, 0.040), (4, 0.050)):  # every gain below 1: 2/2.1, 3/3.1, 3/4, 3/5
-        _steps(auto, 1, k, [t] * 3)
-    assert auto.ratios(1) == pytest.approx([1.0, 2.1, 3.1, 4.0, 5.0])
+    for k, t, n in ((1, 0.021, 2), (2, 0.031, 3), (3, 0.040, 3), (4, 0.050, 3)):
+        _steps(auto, 1, k, [t] * 3, n)
+    assert auto.gains(1, rates) == pytest.approx([1.0, 2 / 2.1, 3 / 3.1, 0.75, 0.6])
     assert auto.draft_count(req, 4) == 0 and req.spec_k == 0 and req.drafts == []
-    assert not auto._could_pay(1)  # certain drafts: 2/2.1, 3/3.1, 4/4, 5/5, no probe either
+    assert not auto._could_pay(1)  # no probe either
 
 
-def test_measured_whole_steps_pick_the_best_measured_gain():
-    """Measured whole steps: k = 1 costs 1.3 plain steps, k = 2 2.0, k = 3 2.6, k = 4 3.0; with a first draft
-    accepted 0.95 and later ones 0.5 the measured gains are 1.5, 1.21, 1.02, 0.93: k = 1, where the cost model
-    (priors c + v = 0.305) would take k = 2. Until a k has `min_samples` steps the model prices it, raised to the
-    nearest measured k's per-draft cost; buckets are kept apart."""
+def test_measured_tokens_per_second_pick_the_best_k():
+    """A first draft accepted 0.95 and later ones 0.5: the cost model (priors c + v = 0.305) takes k = 2. Measured
+    k = 2 steps (2 plain steps' time, 7 tokens in 3 steps: gain 1.17) price k = 2 and, through its per-draft cost,
+    k = 1 (1 + 0.54 a draft: 1.27) -> k = 1; measured k = 1 (1.3 plain steps, 2 tokens: 1.54) stays best against
+    measured k = 3 and 4. A step without drafts of a request drafting k (a replay after rejections) counts for k;
+    buckets are kept apart; one probing request in a plain batch prices nothing."""
     auto = AutoSpec(min_samples=3)
     req = _Req(10)
-    auto.rates[req] = [0.95, 0.5, 0.5, 0.5]
-    assert auto.draft_count(req, 4) == 2 and auto.ratios(1) == pytest.approx([1.0 + 0.305 * k for k in range(5)])
+    auto.rates[req] = rates = [0.95, 0.5, 0.5, 0.5]
+    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
+    assert auto.gains(1, rates) == pytest.approx(model) and auto.draft_count(req, 4) == 2
     _steps(auto, 1, 0, [0.010, 0.012])  # plain: fast down, slow up -> 0.0102
     t0 = auto.whole_plain[1]
-    _steps(auto, 1, 2, [2.0 * t0] * 2)
-    assert auto.ratios(1)[2] == pytest.approx(1.61)  # two samples: not yet measured
-    _steps(auto, 1, 2, [2.0 * t0])
-    assert auto.ratios(1) == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])  # k = 2 measured: 0.5 a draft for the rest
-    assert auto.draft_count(req, 4) == 1  # 1.95 / 1.5 = 1.3 against 2.425 / 2 = 1.21
-    for k, r in ((1, 1.3), (3, 2.6), (4, 3.0)):
-        _steps(auto, 1, k, [r * t0] * 3)
-    assert auto.ratios(1) == pytest.approx([1.0, 1.3, 2.0, 2.6, 3.0])
+    _steps(auto, 1, 2, [2.0 * t0], 3)
+    _steps(auto, 1, 2, [2.0 * t0], 2)
+    assert auto.gains(1, rates)[2] == pytest.approx(model[2])  # two samples: not yet measured
+    _steps(auto, 1, 2, [2.0 * t0], 2)
+    g = auto.gains(1, rates)
+    per = (expected_tokens(rates, 2) / (7 / 6) - 1) / 2
+    assert g[2] == pytest.approx(7 / 6) and g[1] == pytest.approx(1.95 / (1 + per))
+    assert auto.draft_count(req, 4) == 1
+    for k, r, n in ((1, 1.3, 2), (3, 2.6, 3), (4, 3.0, 3)):
+        _steps(auto, 1, k, [r * t0] * 3, n)
+    assert auto.gains(1, rates) == pytest.approx([1.0, 2 / 1.3, 7 / 6, 3 / 2.6, 1.0])
     assert auto.draft_count(req, 4) == 1 and auto.draft_count(req, 1) == 1
-    assert auto.ratios(16) == pytest.approx([1.0 + k * (0.3 + 0.005 * 16) for k in range(5)])  # bucket 16: priors
+    assert auto._could_pay(1)  # measured k = 1 gains 1.54 >= probe_gain
+    replay = _Req(10)
+    replay.drafts, auto.last_k[replay] = [], 2
+    auto.record_plan([(replay, 1)], 0.010)
+    assert auto._pending[1] == 2  # the replay step counts for k = 2
+    auto._pending = None
+    assert auto.gains(16) == pytest.approx([expected_tokens(0.5, k) / (1 + k * (0.3 + 0.005 * 16)) for k in range(5)])
     _steps(auto, 16, 0, [0.010])
     lone = [_Req(10) for _ in range(16)]  # one request probing in a plain batch: under half a draft per entry
     for r in lone[1:]:
@@ -342,30 +356,30 @@ def test_measured_whole_steps_pick_the_best_measured_gain():
         auto.record_plan([(r, 1) for r in lone], 0.010)
         auto.record_step_end(0.010)
     assert (16, 1) not in auto.whole and (16, 2) not in auto.whole and auto.whole_plain[16] == 0.010
-    auto.rates[req] = [1.0] * 4  # certain drafts: 2/1.3, 3/2, 4/2.6, 5/3 -> k = 4 (1.667)
-    assert auto.draft_count(req, 4) == 4
 
 
-def test_whole_step_times_shrug_off_a_burst_and_are_forgotten_when_stale():
-    """Load comes in bursts that double a few steps in a row: k = 1 steps first measured at 3 plain steps, then at
-    1.2: the price drops to 1.2 at once (a mean would have priced k = 1 at ~2.5 and turned drafting off), later
-    bursts are left out, while a step's own variation (a replay after a rejection, 1.4x) averages in. A k whose
-    latest whole step is more than `forget` decode steps old prices by the cost model again (so drafting turned off
-    by a cost measured under load is retried)."""
+def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
+    """Load comes in bursts that double a few steps in a row: k = 1 steps (2 tokens each) first measured at 3 plain
+    steps, then at 1.2: the price drops at once (a mean would have kept k = 1 off), later bursts are left out,
+    while a step's own variation (a replay, 1.44x for one token) averages in. A k whose latest whole step is more
+    than `forget` decode steps old prices by the cost model again (so drafting turned off by a cost measured under
+    load is retried)."""
     auto = AutoSpec(min_samples=3, forget=20)
     req = _Req(10)
-    auto.rates[req] = [0.9] * 4
+    auto.rates[req] = rates = [0.9] * 4
     _steps(auto, 1, 0, [0.010])
-    _steps(auto, 1, 1, [0.030] * 3)
-    assert auto.ratios(1)[1] == pytest.approx(3.0) and auto.draft_count(req, 1) == 0
-    _steps(auto, 1, 1, [0.012])
-    assert auto.ratios(1)[1] == pytest.approx(1.2) and auto.draft_count(req, 1) == 1
-    _steps(auto, 1, 1, [0.030] * 3 + [0.012, 0.014, 0.0144])  # a burst, then steps with and without a replay
-    assert auto.ratios(1)[1] == pytest.approx((0.012 * 2 + 0.014 + 0.0144) / 4 / 0.010)
+    _steps(auto, 1, 1, [0.030] * 3, 2)
+    assert auto.gains(1, rates)[1] == pytest.approx(2 / 3) and auto.draft_count(req, 1) == 0
+    _steps(auto, 1, 1, [0.012], 2)
+    assert auto.gains(1, rates)[1] == pytest.approx(2 / 1.2) and auto.draft_count(req, 1) == 1
+    for t, n in [(0.030, 2)] * 3 + [(0.012, 2), (0.014, 2), (0.0144, 1)]:  # a burst, steps, a replay
+        _steps(auto, 1, 1, [t], n)
+    assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))
     _steps(auto, 1, 0, [0.010] * 20)
-    assert auto.ratios(1)[1] == pytest.approx(1.31)  # 20 steps old: still measured
+    assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))  # 20 steps: kept
     _steps(auto, 1, 0, [0.010])
-    assert auto.ratios(1) == pytest.approx([1.0 + 0.305 * k for k in range(5)])  # k = 1 forgotten: the priors
+    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
+    assert auto.gains(1, rates) == pytest.approx(model)  # k = 1 forgotten: the priors
 
 
 def test_past_batch_one_every_auto_request_drafts_the_same_k():

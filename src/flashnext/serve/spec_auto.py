@@ -31,17 +31,18 @@ doubles the wait before the next (up to `max_backoff`). No probe runs while even
 would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
 speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
 only cost), and once they are measured, queued requests that could not gain as much start plain.
-The whole step prices k once measured: per batch bucket and draft length k (the step's drafts per entry, rounded;
-a step of under half a draft per entry, such as one probe in a plain batch, prices nothing), the
-time of whole decode-only engine steps (model step, verification, rollback, the next proposal, host work): the
-mean of its recent samples within 1.5x their low envelope (`_Times`: this box's load comes in bursts of ~0.5 s that
-double a few steps in a row, and a plain mean of the first samples read a k = 2 step at 3.5 plain steps and turned
-drafting off for good; an envelope alone would drop the replays after rejections), over the plain step's envelope
-(fast down, slow up: every plain step does the same work). With `min_samples` of
-them, the latest within `forget` decode steps, gain(k) = E(k) * t_plain / t_k, so
-the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet keeps the cost
-model, its per-draft cost raised to the nearest measured k's (the model alone leaves out rollbacks, replays and
-the speculative step's fixed costs: it priced an extra draft at 0.1-0.25 of a plain step where runs said ~0.3).
+Measured tokens per second price k once there are enough (`gains`): per batch bucket and mode k (the step's drafts
+per entry, rounded, an entry without drafts counting its request's latest choice: the replay step that follows
+rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k; a lone probe in a plain batch
+prices nothing), the whole decode-only engine steps (model step, verification, rollback, the next proposal, host
+work) and the tokens they emitted; seconds per token over the recent samples within 1.5x the steps' low envelope
+(`_Times`: this box's load comes in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first
+samples read a k = 2 step at 3.5 plain steps and turned drafting off for good), against the plain step's envelope
+(fast down, slow up: every plain step does the same work) over its batch. With `min_samples` of them, the latest
+within `forget` decode steps, gain(k) is that ratio, so the chosen k's measured tokens per second beat plain
+decoding's or k is 0; a k not measured yet keeps the cost model, its per-draft cost raised to the nearest measured
+k's (the model alone left out rollbacks, replay steps and the speculative step's fixed costs: it priced an extra
+draft at 0.1-0.25 of a plain step where runs said ~0.3, and chose k = 2-3 where k = 1 was faster).
 Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 16, 32, ...) of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
@@ -78,7 +79,12 @@ def best_k(a, ratios, min_gain: float = 1.0) -> int:
     """The draft length k in [0, len(ratios) - 1] maximising E(k) / ratios[k], where ratios[k] is the time of a
     step with k drafts over a plain step's (ratios[0] = 1); 0 when no k > 0 gains `min_gain`. Ties (within 1e-9)
     go to the shorter draft."""
-    gains = [expected_tokens(a, k) / r for k, r in enumerate(ratios)]
+    return pick_k([expected_tokens(a, k) / r for k, r in enumerate(ratios)], min_gain)
+
+
+def pick_k(gains, min_gain: float = 1.0) -> int:
+    """The k maximising gains[k] (gains[0] = 1, plain decoding); 0 unless it gains `min_gain`. Ties (within 1e-9)
+    go to the shorter draft."""
     top = max(gains)
     best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
     return best if gains[best] >= min_gain else 0
@@ -116,22 +122,23 @@ class _Line:
 
 
 class _Times:
-    """Whole-step times of one (bucket, k): the low envelope (`_fast_down`), the latest `keep` samples, the sample
-    count and the decode step (`AutoSpec`'s clock) of the latest. `seconds()` is the mean of the kept samples within
-    `burst` times the envelope: a step's own variation (a rejected draft's replay feeds more tokens next step, ~1.1-1.3x)
-    counts, a burst of load on a shared machine (2-3x a few steps in a row) does not."""
+    """Whole steps of one (bucket, k): the low envelope of their times (`_fast_down`), the latest `keep` (seconds,
+    tokens emitted) samples, the sample count and the decode step (`AutoSpec`'s clock) of the latest.
+    `per_token()` is seconds per emitted token over the kept samples within `burst` times the envelope: a step's own
+    variation (a replay after a rejection) counts, a burst of load on a shared machine (2-3x a few steps in a row)
+    does not."""
 
     def __init__(self, keep: int = 16, burst: float = 1.5):
         self.low, self.n, self.last, self.burst = None, 0, 0, burst
         self.recent: collections.deque = collections.deque(maxlen=keep)
 
-    def add(self, seconds: float, clock: int) -> None:
+    def add(self, seconds: float, tokens: float, clock: int) -> None:
         self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
-        self.recent.append(seconds)
+        self.recent.append((seconds, tokens))
 
-    def seconds(self) -> float:
-        kept = [x for x in self.recent if x <= self.burst * self.low]
-        return sum(kept) / len(kept)
+    def per_token(self) -> float:
+        kept = [(s, t) for s, t in self.recent if s <= self.burst * self.low]
+        return sum(s for s, _ in kept) / max(1e-9, sum(t for _, t in kept))
 
 
 def _fast_down(old: float | None, seconds: float) -> float:
@@ -190,11 +197,11 @@ class AutoSpec:
         # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
         self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> seconds per step
         self.clock = 0  # decode-only steps recorded
-        self._ratios: tuple[tuple[int, int], list[float]] | None = None  # ((clock, batch), ratios) of this step
+        self._ratios: tuple | None = None  # ((clock, batch, rates), ratios) of this step
         self.forget = forget
         self.whole_plain: dict[int, float] = {}  # bucket -> seconds of a plain step (fast down, slow up)
         self.min_samples = min_samples
-        self._pending: tuple[int, int] | None = None  # this step's (bucket, k), from `record_plan`
+        self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
@@ -226,10 +233,13 @@ class AutoSpec:
             return
         self.clock += 1
         b = bucket(len(plan))
-        drafts = sum(len(req.drafts) for req, _ in plan)
-        k = int(drafts / len(plan) + 0.5)  # drafts per entry, rounded
-        if k or not any(req.spec_k for req, _ in plan):  # neither: head cells without drafts, a lone probe
-            self._pending = (len(plan), k)
+        # the step's k: drafts per entry, rounded, an entry without drafts counting its request's latest choice
+        # (a replay after rejections, or a head restarting, is a cost of drafting k)
+        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k else 0) for r, _ in plan)
+        k = int(mode / len(plan) + 0.5)
+        if k or not any(req.spec_k for req, _ in plan):  # neither: a lone probe in a plain batch
+            reqs = [req for req, _ in plan]
+            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
         if not any(req.spec_k for req, _ in plan):
             self.plain[b] = _fast_down(self.plain.get(b), seconds)
             self.plain_count[b] = self.plain_count.get(b, 0) + 1
@@ -241,38 +251,44 @@ class AutoSpec:
     def record_step_end(self, seconds: float) -> None:
         """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
         if self._pending is not None:
-            self.record_whole(*self._pending, seconds)
+            batch, k, reqs, before = self._pending
+            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before)
             self._pending = None
 
-    def record_whole(self, batch: int, k: int, seconds: float) -> None:
-        """A whole decode-only step of `batch` entries with `k` drafts per entry (rounded; 0: a plain step): the
-        time that prices k against plain decoding (`ratios`)."""
+    def record_whole(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+        """A whole decode-only step of `batch` entries in mode `k` (drafts per entry, rounded; 0: a plain step) that
+        emitted `tokens`: what prices k against plain decoding (`gains`)."""
         b = bucket(batch)
         if k == 0:
             self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds)
         else:
-            self.whole.setdefault((b, k), _Times()).add(seconds, self.clock)
+            self.whole.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
 
-    def ratios(self, batch: int) -> list[float]:
-        """Per k in [0, k_max], a step with k drafts over a plain step, in time. From the whole steps measured at
-        this batch's bucket where k has `min_samples` of them and the bucket a plain one (rollbacks, replays,
-        proposals and host work included); else the cost model's 1 + k (c + v) (`costs`: the priors while
-        unmeasured), raised to the per-draft cost of the nearest measured k (ties: the shorter one)."""
+    def gains(self, batch: int, rates=None) -> list[float]:
+        """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
+        where k has `min_samples` whole steps and the bucket a plain one: (seconds per token plain) / (seconds per
+        token in k's steps), rollbacks, replays, proposals and host work included; else E(k) / (1 + k (c + v)),
+        the cost model's (`costs`: the priors while unmeasured) with `rates` (default the engine's), its per-draft
+        cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
+        E(k) / gain(k) plain steps)."""
+        rates = self.rate if rates is None else rates
         c, v = self.costs(batch)
-        model = [1.0 + k * (c + v) for k in range(self.k_max + 1)]
+        model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         b = bucket(batch)
         t0 = self.whole_plain.get(b)
         if self.fixed is not None or t0 is None:
             return model
-        measured = {k: self.whole[b, k].seconds() / t0 for k in range(1, self.k_max + 1) if self._fresh(self.whole.get((b, k)))}
+        plain = t0 / batch  # a plain step emits one token per entry
+        measured = {k: plain / self.whole[b, k].per_token() for k in range(1, self.k_max + 1)
+                    if self._fresh(self.whole.get((b, k)))}  # fmt: skip
         out = [1.0]
         for k in range(1, self.k_max + 1):
             if k in measured:
                 out.append(measured[k])
                 continue
             near = min(measured, key=lambda j: (abs(j - k), j), default=None)
-            per = (measured[near] - 1.0) / near if near is not None else 0.0
-            out.append(1.0 + k * max(c + v, per))
+            per = (expected_tokens(rates, near) / measured[near] - 1.0) / near if near is not None else 0.0
+            out.append(expected_tokens(rates, k) / (1.0 + k * max(c + v, per)))
         return out
 
     def _fresh(self, low: _Times | None) -> bool:
@@ -288,7 +304,7 @@ class AutoSpec:
             self.record_drafts(batch, longest, seconds)
 
     def measured(self, batch: int) -> bool:
-        """Whether `ratios(batch)` come from measurements (or `fixed`), not the priors."""
+        """Whether `gains(batch)` come from measurements (or `fixed`), not the priors."""
         b, line = bucket(batch), self.steps.get(bucket(batch))
         if self.fixed is not None:
             return True
@@ -326,13 +342,14 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        if self._ratios is None or self._ratios[0] != (self.clock, self.batch):  # once a step, not per request
-            self._ratios = ((self.clock, self.batch), self.ratios(self.batch))
         # Past batch 1 every auto request of the step drafts the same k, from the batch's mean rates: entries of
         # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
         # entries took ~1.7x the time of one of 1-draft entries on the deep config).
         rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
-        k = min(cap, best_k(rates, self._ratios[1], self.min_gain))
+        key = (self.clock, self.batch, tuple(rates))
+        if self._ratios is None or self._ratios[0] != key:  # once a step past batch 1, not per request
+            self._ratios = (key, self.gains(self.batch, rates))
+        k = min(cap, pick_k(self._ratios[1], self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -382,7 +399,7 @@ class AutoSpec:
 
     def _could_pay(self, batch: int) -> bool:
         """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
-        return best_k(1.0, self.ratios(batch), max(self.min_gain, self.probe_gain)) > 0
+        return pick_k(self.gains(batch, [1.0] * self.k_max), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
