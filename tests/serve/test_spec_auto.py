@@ -363,10 +363,15 @@ def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
     steps, then at 1.2: the price drops at once (a mean would have kept k = 1 off), later bursts are left out,
     while a step's own variation (a replay, 1.44x for one token) averages in. A k whose latest whole step is more
     than `forget` decode steps old prices by the cost model again (so drafting turned off by a cost measured under
-    load is retried)."""
+    load is retried), and a cost model fit in a burst prices no dearer than the priors."""
     auto = AutoSpec(min_samples=3, forget=20)
     req = _Req(10)
     auto.rates[req] = rates = [0.9] * 4
+    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
+    for x in (0, 3, 0, 3):  # the cost model's line fit in a burst: no dearer than the priors for k not measured
+        auto.record_step(1, x, 0.050 + 0.02 * x)
+    auto.record_drafts(1, 1, 0.040)
+    assert sum(auto.costs(1)) > 1.0 and auto.gains(1, rates) == pytest.approx(model)
     _steps(auto, 1, 0, [0.010])
     _steps(auto, 1, 1, [0.030] * 3, 2)
     assert auto.gains(1, rates)[1] == pytest.approx(2 / 3) and auto.draft_count(req, 1) == 0
@@ -378,7 +383,6 @@ def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
     _steps(auto, 1, 0, [0.010] * 20)
     assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))  # 20 steps: kept
     _steps(auto, 1, 0, [0.010])
-    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
     assert auto.gains(1, rates) == pytest.approx(model)  # k = 1 forgotten: the priors
 
 

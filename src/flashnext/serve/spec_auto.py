@@ -268,11 +268,13 @@ class AutoSpec:
         """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
         where k has `min_samples` whole steps and the bucket a plain one: (seconds per token plain) / (seconds per
         token in k's steps), rollbacks, replays, proposals and host work included; else E(k) / (1 + k (c + v)),
-        the cost model's (`costs`: the priors while unmeasured) with `rates` (default the engine's), its per-draft
+        the cost model's (`costs`, no dearer than the priors) with `rates` (default the engine's), its per-draft
         cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
         E(k) / gain(k) plain steps)."""
         rates = self.rate if rates is None else rates
         c, v = self.costs(batch)
+        if self.fixed is None:  # the model no dearer than the priors: a line fit to a few steps in a burst of load
+            c, v = min(c + v, self.prior_c + self.prior_v * batch), 0.0  # would keep drafting off from the start
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         b = bucket(batch)
         t0 = self.whole_plain.get(b)
