@@ -173,7 +173,8 @@ class AutoSpec:
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.005, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3, forget: int = 256):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3,
+                 forget: int = 256):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -195,11 +196,11 @@ class AutoSpec:
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
         # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
-        self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> seconds per step
+        self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> (seconds, tokens) per step
         self.clock = 0  # decode-only steps recorded
-        self._ratios: tuple | None = None  # ((clock, batch, rates), ratios) of this step
+        self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step
         self.forget = forget
-        self.whole_plain: dict[int, float] = {}  # bucket -> seconds of a plain step (fast down, slow up)
+        self.whole_plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps (fast down, slow up)
         self.min_samples = min_samples
         self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
 
@@ -260,7 +261,7 @@ class AutoSpec:
         emitted `tokens`: what prices k against plain decoding (`gains`)."""
         b = bucket(batch)
         if k == 0:
-            self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds)
+            self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds / batch)  # one token per entry
         else:
             self.whole.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
 
@@ -277,10 +278,9 @@ class AutoSpec:
             c, v = min(c + v, self.prior_c + self.prior_v * batch), 0.0  # would keep drafting off from the start
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         b = bucket(batch)
-        t0 = self.whole_plain.get(b)
-        if self.fixed is not None or t0 is None:
+        plain = self.whole_plain.get(b)
+        if self.fixed is not None or plain is None:
             return model
-        plain = t0 / batch  # a plain step emits one token per entry
         measured = {k: plain / self.whole[b, k].per_token() for k in range(1, self.k_max + 1)
                     if self._fresh(self.whole.get((b, k)))}  # fmt: skip
         out = [1.0]
@@ -349,9 +349,9 @@ class AutoSpec:
         # entries took ~1.7x the time of one of 1-draft entries on the deep config).
         rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
         key = (self.clock, self.batch, tuple(rates))
-        if self._ratios is None or self._ratios[0] != key:  # once a step past batch 1, not per request
-            self._ratios = (key, self.gains(self.batch, rates))
-        k = min(cap, pick_k(self._ratios[1], self.min_gain))
+        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
+            self._gains = (key, self.gains(self.batch, rates))
+        k = min(cap, pick_k(self._gains[1], self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
