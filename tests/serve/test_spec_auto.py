@@ -246,7 +246,7 @@ def test_calibration_pauses_speculation_for_one_plain_step():
 
 def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
     """The plain step time t0 takes a faster sample at once and averages a slower one in (shared-machine noise
-    only adds time); the first calibration step comes after 8 speculative steps, the next after 16, 32, ... up to
+    only adds time); the first calibration step comes after 8 speculative steps, the next after 32, then
     `calibrate_every` (each costs two steps without drafts)."""
     auto = AutoSpec(calibrate_every=64)
     reqs = [_Req(10), _Req(20)]
@@ -264,9 +264,9 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
         auto.before_step(reqs)
         assert all(r.spec_k == 4 for r in reqs)
         auto.record_plan(spec, 0.012)
-    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet (32)
+    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet (64)
     assert all(r.spec_k == 4 for r in reqs)
-    auto.plain_count[2] = 1  # one plain sample: after 16
+    auto.plain_count[2] = 1  # one plain sample: after 32
     auto.before_step(reqs)
     assert all(r.spec_k == 4 for r in reqs)
     auto.plain_count[2] = 0  # none: calibrate now

@@ -43,7 +43,7 @@ within `forget` decode steps, gain(k) is that ratio, so the chosen k's measured 
 decoding's or k is 0; a k not measured yet keeps the cost model, its per-draft cost raised to the nearest measured
 k's (the model alone left out rollbacks, replay steps and the speculative step's fixed costs: it priced an extra
 draft at 0.1-0.25 of a plain step where runs said ~0.3, and chose k = 2-3 where k = 1 was faster).
-Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 16, 32, ...) of a
+Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 32) of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
@@ -405,7 +405,7 @@ class AutoSpec:
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one (8 after none measured, then 16, 32, ...: each calibration costs the
+        decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration costs the
         paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
         step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
         cost)."""
@@ -414,7 +414,7 @@ class AutoSpec:
             if not req.finished and req.spec_k == 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
         b = bucket(self.batch)
-        due = min(self.calibrate_every, 8 << min(self.plain_count.get(b, 0), 8))  # 8, 16, 32, ... steps
+        due = min(self.calibrate_every, 8 << min(2 * self.plain_count.get(b, 0), 8))  # 8, 32, 128, ... steps
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         self.since_plain[b] = 0
