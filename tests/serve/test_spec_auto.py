@@ -16,7 +16,7 @@ from spec_helpers import KnownDrafts, compare_greedy, spec_model
 from flashnext.errors import ConfigError
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
-from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens
+from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens, pick_k
 
 
 # ---- the choice against its formula -----------------------------------------------------------------------------
@@ -399,3 +399,19 @@ def test_past_batch_one_every_auto_request_drafts_the_same_k():
     assert auto.batch_rates == pytest.approx([0.525] * 4)
     want = choose_k(0.525, 0.1, 0.0, 4, auto.min_gain)
     assert want == 2 and auto.draft_count(sure, 4) == want and auto.draft_count(poor, 4) == want
+
+
+def test_a_bucket_without_measurements_borrows_the_nearest_measured_draft_cost():
+    """Requests finishing at different steps take a batch into smaller buckets late in a run: an unmeasured bucket
+    prices drafts no cheaper than the nearest measured bucket's per-draft cost (batch 16: k = 1 at 1.1x plain with
+    E(1) = 1.98 -> 0.8 plain steps a draft), not from the priors (which would take k = 2 at 0.6 acceptance)."""
+    auto = AutoSpec(min_samples=3)
+    rates = [0.98, 0.6, 0.6, 0.6]
+    prior = [expected_tokens(rates, k) / (1 + k * (0.3 + 0.005 * 8)) for k in range(5)]
+    assert pick_k(prior, auto.min_gain) == 2 and auto.gains(8, rates) == pytest.approx(prior)
+    _steps(auto, 16, 0, [0.016])  # a plain step: 1 ms a token
+    _steps(auto, 16, 1, [0.032 / 1.1] * 3, 32)  # 32 tokens a step: gain 1.1
+    per = (expected_tokens(rates, 1) / 1.1 - 1) / 1
+    want = [expected_tokens(rates, k) / (1 + k * per) for k in range(5)]
+    assert auto.gains(8, rates) == pytest.approx(want) and pick_k(want, auto.min_gain) == 1
+    assert auto.gains(1, rates) == pytest.approx(want)  # the nearest measured bucket, however far

@@ -51,6 +51,7 @@ bucket without a plain one, its auto requests are held plain for one step, so th
 from __future__ import annotations
 
 import collections
+import math
 import weakref
 
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
@@ -279,10 +280,14 @@ class AutoSpec:
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         b = bucket(batch)
         plain = self.whole_plain.get(b)
-        if self.fixed is not None or plain is None:
+        if self.fixed is not None:
             return model
         measured = {k: plain / self.whole[b, k].per_token() for k in range(1, self.k_max + 1)
-                    if self._fresh(self.whole.get((b, k)))}  # fmt: skip
+                    if plain is not None and self._fresh(self.whole.get((b, k)))}  # fmt: skip
+        if not measured:  # nothing here yet: no cheaper a draft than the nearest measured bucket's
+            per = self._borrowed(b, rates)
+            return model if per is None else [expected_tokens(rates, k) / (1.0 + k * max(c + v, per))
+                                              for k in range(self.k_max + 1)]  # fmt: skip
         out = [1.0]
         for k in range(1, self.k_max + 1):
             if k in measured:
@@ -292,6 +297,18 @@ class AutoSpec:
             per = (expected_tokens(rates, near) / measured[near] - 1.0) / near if near is not None else 0.0
             out.append(expected_tokens(rates, k) / (1.0 + k * max(c + v, per)))
         return out
+
+    def _borrowed(self, b: int, rates) -> float | None:
+        """The per-draft cost (in plain steps) measured at the bucket nearest `b` that has a fresh k (its shortest),
+        or None: a bucket a batch enters late (requests finishing at different steps) starts from it, not from the
+        priors (they had the tail of a batch-16 run drafting k = 2-3 where k = 1 barely paid)."""
+        near = sorted((abs(math.log2(wb / b)), wb, k) for (wb, k), m in self.whole.items()
+                      if wb != b and wb in self.whole_plain and self._fresh(m))  # fmt: skip
+        if not near:
+            return None
+        _, wb, k = near[0]
+        gain = self.whole_plain[wb] / self.whole[wb, k].per_token()
+        return (expected_tokens(rates, k) / gain - 1.0) / k
 
     def _fresh(self, low: _Times | None) -> bool:
         """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
