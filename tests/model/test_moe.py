@@ -134,3 +134,30 @@ def test_gathered_bf16_sums_without_index_add():
     assert not {"index_add", "index_add_", "scatter_add", "scatter_add_"} & ops.names, sorted(ops.names)
     ref = _loop_reference(ex.double(), x.double(), e, w.double())
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_a_few_tokens_of_small_experts_gather_on_a_serving_step():
+    """A serving (fused, not static) step whose assignments' expert weights total at most `GATHER_BYTES` takes the
+    gather path even past E/2 assignments (a speculative verify step's 2-4 tokens: no sort, no slab, no host read of
+    its capacity), with the grouped path's result; more bytes, a training step or a static step keep their paths."""
+    from flashnext.model import moe as moe_mod
+    from flashnext.model.state import VERIFY
+
+    torch.manual_seed(5)
+    ex = Experts(_cfg(E=8, k=2))
+    torch.nn.init.normal_(ex.gate_up_proj)
+    torch.nn.init.normal_(ex.down_proj)
+    calls = []
+    for name in ("_gathered", "_grouped", "_dense"):
+        f = getattr(ex, name)
+        setattr(ex, name, lambda *a, _f=f, _n=name: calls.append(_n) or _f(*a))
+    x = torch.randn(3, 8)
+    e = torch.stack([torch.randperm(8)[:2] for _ in range(3)])  # 6 assignments of 8 experts: more than E/2
+    w = torch.rand(3, 2)
+    want = ex._grouped(x, e.flatten(), w, True)
+    calls.clear()
+    torch.testing.assert_close(ex(x, e, w, Step(VERIFY)), want)
+    ex(x, e, w)  # training
+    ex(x, e, w, Step(DECODE, static=True))
+    per = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * 4
+    assert 6 * per <= moe_mod.GATHER_BYTES and calls == ["_gathered", "_grouped", "_dense"]

@@ -16,7 +16,7 @@ from spec_helpers import KnownDrafts, compare_greedy, spec_model
 from flashnext.errors import ConfigError
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
-from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens
+from flashnext.serve.spec_auto import AutoSpec, bucket, choose_k, expected_tokens, pick_k
 
 
 # ---- the choice against its formula -----------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class _Req:
 
     def __init__(self, num_cached: int):
         self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
-        self.mtp_cells, self.resume_residual, self.prompt_ids = num_cached, None, [1]
+        self.mtp_cells, self.resume_residual, self.prompt_ids, self.output_ids = num_cached, None, [1], []
         self.params = SamplingParams()
 
 
@@ -246,8 +246,8 @@ def test_calibration_pauses_speculation_for_one_plain_step():
 
 def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
     """The plain step time t0 takes a faster sample at once and averages a slower one in (shared-machine noise
-    only adds time); while a bucket has fewer than 3 plain samples, a calibration step comes after 8 speculative
-    steps, not `calibrate_every`."""
+    only adds time); the first calibration step comes after 8 speculative steps, the next after 32, then
+    `calibrate_every` (each costs two steps without drafts)."""
     auto = AutoSpec(calibrate_every=64)
     reqs = [_Req(10), _Req(20)]
     spec = [(r, 1) for r in reqs]
@@ -264,8 +264,154 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
         auto.before_step(reqs)
         assert all(r.spec_k == 4 for r in reqs)
         auto.record_plan(spec, 0.012)
-    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet
+    auto.before_step(reqs)  # the 8th speculative step since a plain one, with 3 plain samples: not yet (64)
     assert all(r.spec_k == 4 for r in reqs)
-    auto.plain_count[2] = 2  # fewer than 3 plain samples: calibrate now
+    auto.plain_count[2] = 1  # one plain sample: after 32
+    auto.before_step(reqs)
+    assert all(r.spec_k == 4 for r in reqs)
+    auto.plain_count[2] = 0  # none: calibrate now
     auto.before_step(reqs)
     assert [r.spec_k for r in reqs] == [0, 0]
+
+
+# ---- measured tokens per second price k -----------------------------------------------------------------------
+def _steps(auto, batch, k, seconds, tokens=None, model_seconds=0.010):
+    """Whole decode-only engine steps of `batch` stand-in requests with k drafts each (k = 0: plain) taking
+    `seconds` each and emitting `tokens` each (default one per entry), their model step `model_seconds` (what the
+    cost model's line sees)."""
+    reqs = [_Req(10) for _ in range(batch)]
+    for r in reqs:
+        r.spec_k, r.drafts = (4, [7] * k) if k else (0, [])
+    for s in seconds:
+        auto.record_plan([(r, 1) for r in reqs], model_seconds)
+        reqs[0].output_ids.extend([5] * (batch if tokens is None else tokens))
+        auto.record_step_end(s)
+
+
+def _cheap_drafts_by_the_model(auto, batch):
+    """Model steps and proposals that make drafts look cheap to the cost model (c = 0.1, v ~ 0.02 batch)."""
+    for x in (0, 3, 0, 3):
+        auto.record_step(batch, x, 0.010 + 0.0002 * x)
+    auto.record_drafts(batch, 1, 0.001)
+    auto.plain[bucket(batch)] = 0.010
+
+
+def test_measured_tokens_per_second_turn_drafting_off_where_the_cost_model_would_draft():
+    """The cost model (draft 0.1 of a plain step, verify tokens nearly free) says draft; whole engine steps
+    measured at k = 1..4 (rollbacks, replays, proposal and host work included) emit too few tokens for their time:
+    no k's measured tokens per second beat plain decoding's, so the request goes plain (k = 0, spec_k 0) and no
+    probe is armed."""
+    auto = AutoSpec(min_samples=3)
+    _cheap_drafts_by_the_model(auto, 1)
+    req = _Req(10)
+    for _ in range(40):
+        auto.observe(req, 4, 2)  # ~[1, 1, 0, .5]: E(k) 2, 3, 3, 3
+    rates = auto.rates[req]
+    assert choose_k(rates, *auto.costs(1), 4, auto.min_gain) > 0  # what the cost model alone chose
+    _steps(auto, 1, 0, [0.010] * 2)
+    for k, t, n in ((1, 0.021, 2), (2, 0.031, 3), (3, 0.040, 3), (4, 0.050, 3)):
+        _steps(auto, 1, k, [t] * 3, n)
+    assert auto.gains(1, rates) == pytest.approx([1.0, 2 / 2.1, 3 / 3.1, 0.75, 0.6])
+    assert auto.draft_count(req, 4) == 0 and req.spec_k == 0 and req.drafts == []
+    assert not auto._could_pay(1)  # no probe either
+
+
+def test_measured_tokens_per_second_pick_the_best_k():
+    """A first draft accepted 0.95 and later ones 0.5: the cost model (priors c + v = 0.305) takes k = 2. Measured
+    k = 2 steps (2 plain steps' time, 7 tokens in 3 steps: gain 1.17) price k = 2 and, through its per-draft cost,
+    k = 1 (1 + 0.54 a draft: 1.27) -> k = 1; measured k = 1 (1.3 plain steps, 2 tokens: 1.54) stays best against
+    measured k = 3 and 4. A step without drafts of a request drafting k (a replay after rejections) counts for k;
+    buckets are kept apart; one probing request in a plain batch prices nothing."""
+    auto = AutoSpec(min_samples=3)
+    req = _Req(10)
+    auto.rates[req] = rates = [0.95, 0.5, 0.5, 0.5]
+    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
+    assert auto.gains(1, rates) == pytest.approx(model) and auto.draft_count(req, 4) == 2
+    _steps(auto, 1, 0, [0.010, 0.012])  # plain: fast down, slow up -> 0.0102
+    t0 = auto.whole_plain[1]
+    _steps(auto, 1, 2, [2.0 * t0], 3)
+    _steps(auto, 1, 2, [2.0 * t0], 2)
+    assert auto.gains(1, rates)[2] == pytest.approx(model[2])  # two samples: not yet measured
+    _steps(auto, 1, 2, [2.0 * t0], 2)
+    g = auto.gains(1, rates)
+    per = (expected_tokens(rates, 2) / (7 / 6) - 1) / 2
+    assert g[2] == pytest.approx(7 / 6) and g[1] == pytest.approx(1.95 / (1 + per))
+    assert auto.draft_count(req, 4) == 1
+    for k, r, n in ((1, 1.3, 2), (3, 2.6, 3), (4, 3.0, 3)):
+        _steps(auto, 1, k, [r * t0] * 3, n)
+    assert auto.gains(1, rates) == pytest.approx([1.0, 2 / 1.3, 7 / 6, 3 / 2.6, 1.0])
+    assert auto.draft_count(req, 4) == 1 and auto.draft_count(req, 1) == 1
+    assert auto._could_pay(1)  # measured k = 1 gains 1.54 >= probe_gain
+    replay = _Req(10)
+    replay.drafts, auto.last_k[replay] = [], 2
+    auto.record_plan([(replay, 1)], 0.010)
+    assert auto._pending[1] == 2  # the replay step counts for k = 2
+    auto._pending = None
+    assert auto.gains(16) == pytest.approx([expected_tokens(0.5, k) / (1 + k * (0.3 + 0.005 * 16)) for k in range(5)])
+    _steps(auto, 16, 0, [0.010])
+    lone = [_Req(10) for _ in range(16)]  # one request probing in a plain batch: under half a draft per entry
+    for r in lone[1:]:
+        r.spec_k, r.drafts = 0, []
+    for _ in range(5):
+        auto.record_plan([(r, 1) for r in lone], 0.010)
+        auto.record_step_end(0.010)
+    assert (16, 1) not in auto.whole and (16, 2) not in auto.whole and auto.whole_plain[16] == 0.010 / 16
+
+
+def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
+    """Load comes in bursts that double a few steps in a row: k = 1 steps (2 tokens each) first measured at 3 plain
+    steps, then at 1.2: the price drops at once (a mean would have kept k = 1 off), later bursts are left out,
+    while a step's own variation (a replay, 1.44x for one token) averages in. A k whose latest whole step is more
+    than `forget` decode steps old prices by the cost model again (so drafting turned off by a cost measured under
+    load is retried), and a cost model fit in a burst prices no dearer than the priors."""
+    auto = AutoSpec(min_samples=3, forget=20)
+    req = _Req(10)
+    auto.rates[req] = rates = [0.9] * 4
+    model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
+    for x in (0, 3, 0, 3):  # the cost model's line fit in a burst: no dearer than the priors for k not measured
+        auto.record_step(1, x, 0.050 + 0.02 * x)
+    auto.record_drafts(1, 1, 0.040)
+    assert sum(auto.costs(1)) > 1.0 and auto.gains(1, rates) == pytest.approx(model)
+    _steps(auto, 1, 0, [0.010])
+    _steps(auto, 1, 1, [0.030] * 3, 2)
+    assert auto.gains(1, rates)[1] == pytest.approx(2 / 3) and auto.draft_count(req, 1) == 0
+    _steps(auto, 1, 1, [0.012], 2)
+    assert auto.gains(1, rates)[1] == pytest.approx(2 / 1.2) and auto.draft_count(req, 1) == 1
+    for t, n in [(0.030, 2)] * 3 + [(0.012, 2), (0.014, 2), (0.0144, 1)]:  # a burst, steps, a replay
+        _steps(auto, 1, 1, [t], n)
+    assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))
+    _steps(auto, 1, 0, [0.010] * 20)
+    assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))  # 20 steps: kept
+    _steps(auto, 1, 0, [0.010])
+    assert auto.gains(1, rates) == pytest.approx(model)  # k = 1 forgotten: the priors
+
+
+def test_past_batch_one_every_auto_request_drafts_the_same_k():
+    """Entries of unequal lengths leave the verify step's equal-length paths, so past batch 1 the choice is one k
+    for the step, from the running requests' mean acceptance per position; alone, each request's own rates."""
+    auto = AutoSpec(fixed=(0.1, 0.0))
+    sure, poor = _Req(10), _Req(20)
+    auto.rates[sure], auto.rates[poor] = [1.0] * 4, [0.05] * 4
+    auto.before_step([sure])
+    assert auto.draft_count(sure, 4) == 4 and auto.draft_count(poor, 4) == 0  # their own choices
+    poor.spec_k = 4
+    auto.before_step([sure, poor])
+    assert auto.batch_rates == pytest.approx([0.525] * 4)
+    want = choose_k(0.525, 0.1, 0.0, 4, auto.min_gain)
+    assert want == 2 and auto.draft_count(sure, 4) == want and auto.draft_count(poor, 4) == want
+
+
+def test_a_bucket_without_measurements_borrows_the_nearest_measured_draft_cost():
+    """Requests finishing at different steps take a batch into smaller buckets late in a run: an unmeasured bucket
+    prices drafts no cheaper than the nearest measured bucket's per-draft cost (batch 16: k = 1 at 1.1x plain with
+    E(1) = 1.98 -> 0.8 plain steps a draft), not from the priors (which would take k = 2 at 0.6 acceptance)."""
+    auto = AutoSpec(min_samples=3)
+    rates = [0.98, 0.6, 0.6, 0.6]
+    prior = [expected_tokens(rates, k) / (1 + k * (0.3 + 0.005 * 8)) for k in range(5)]
+    assert pick_k(prior, auto.min_gain) == 2 and auto.gains(8, rates) == pytest.approx(prior)
+    _steps(auto, 16, 0, [0.016])  # a plain step: 1 ms a token
+    _steps(auto, 16, 1, [0.032 / 1.1] * 3, 32)  # 32 tokens a step: gain 1.1
+    per = (expected_tokens(rates, 1) / 1.1 - 1) / 1
+    want = [expected_tokens(rates, k) / (1 + k * per) for k in range(5)]
+    assert auto.gains(8, rates) == pytest.approx(want) and pick_k(want, auto.min_gain) == 1
+    assert auto.gains(1, rates) == pytest.approx(want)  # the nearest measured bucket, however far

@@ -20,6 +20,11 @@ from flashnext.model.fused import Group, apply_linear
 from flashnext.model.state import TRAIN_STEP, Step
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
+# A serving step gathers its assignments' expert weights when they total at most this many bytes, even for more than
+# E/2 assignments: below it the grouped path's dozen extra ops (sort, counts, slab) and its host read of the slab's
+# capacity cost more than the copy (a speculative verify step's 2 / 4 tokens x top-2 of 8 experts of 24.6 KB: the
+# grouped path 92 / 95 us a layer, the gathered 59 / 82 us; alternated, 1 thread, load ~4.5). Not on a static step.
+GATHER_BYTES = 1 << 18
 
 
 class Router(nn.Module):
@@ -76,7 +81,8 @@ class Experts(nn.Module):
         T, k = experts.shape
         flat_e = experts.flatten()
         # Few assignments (decode), or the meta device (no routing values to size the slabs): gather path.
-        if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta":
+        small = fused and not static and self._small(flat_e.numel())  # a verify step's few tokens (`GATHER_BYTES`)
+        if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta" or small:
             return self._gathered(x, flat_e, weights, fused)
         # dynamo tracing, not torch.compiler.is_compiling() (process-wide during any compile: see fused._compiling)
         if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_dynamo_compiling():
@@ -84,6 +90,11 @@ class Experts(nn.Module):
         if static:
             return self._dense(x, experts, weights)
         return self._grouped(x, flat_e, weights, fused)
+
+    def _small(self, assignments: int) -> bool:
+        """Whether gathering `assignments` experts' weights copies at most `GATHER_BYTES` (see there)."""
+        per = (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+        return assignments * per <= GATHER_BYTES
 
     def _reduced(self, x, flat_e, weights):
         """Each assignment's expert applied as products summed over the input dim, its weights indexed in place.

@@ -242,6 +242,8 @@ class Engine:
                 if self.spec_auto is not None:
                     self.spec_auto.record_plan(plan, time.perf_counter() - t0)
                 self._advance(plan, out, t0, routing, prompt)
+                if self.spec_auto is not None:
+                    self.spec_auto.record_step_end(time.perf_counter() - t0)
         return self.outcomes.take()
 
     def _advance(self, plan: list[tuple[Request, int]], out, t0: float, routing=None, prompt=None):

@@ -13,7 +13,8 @@ Expected tokens per unit time relative to plain decoding: gain(k) = E(k) / (1 + 
 k in [0, k_max] maximising it, and 0 unless the best gain clears `min_gain` (gain(0) = 1).
 
 `AutoSpec` keeps what the choice needs:
-- per request and draft position, an exponentially weighted acceptance (each verified draft a Bernoulli trial of
+- per request and draft position (the choice past batch 1 takes the running requests' mean, one k for every auto
+  request of a step: see `draft_count`), an exponentially weighted acceptance (each verified draft a Bernoulli trial of
   its position: accepted drafts are successes, the first rejected one a failure, the positions after it not
   tried), seeded from the engine-wide rates (themselves seeded at `prior_rate`). Per position because a head's
   first draft, one step from the trunk's residual, is accepted far more often than the chained ones after it (the
@@ -30,13 +31,27 @@ doubles the wait before the next (up to `max_backoff`). No probe runs while even
 would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
 speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
 only cost), and once they are measured, queued requests that could not gain as much start plain.
-Calibration: after `calibrate_every` speculative decode steps of a
+Measured tokens per second price k once there are enough (`gains`): per batch bucket and mode k (the step's drafts
+per entry, rounded, an entry without drafts counting its request's latest choice: the replay step that follows
+rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k; a lone probe in a plain batch
+prices nothing), the whole decode-only engine steps (model step, verification, rollback, the next proposal, host
+work) and the tokens they emitted; seconds per token over the recent samples within 1.5x the steps' low envelope
+(`_Times`: this box's load comes in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first
+samples read a k = 2 step at 3.5 plain steps and turned drafting off for good), against the plain step's envelope
+(fast down, slow up: every plain step does the same work) over its batch. With `min_samples` of them, the latest
+within `forget` decode steps, gain(k) is that ratio, so the chosen k's measured tokens per second beat plain
+decoding's or k is 0; a k not measured yet keeps the cost model, its per-draft cost raised to the nearest measured
+k's (the model alone left out rollbacks, replay steps and the speculative step's fixed costs: it priced an extra
+draft at 0.1-0.25 of a plain step where runs said ~0.3, and chose k = 2-3 where k = 1 was faster).
+Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 32) of a
 bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
 (the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import weakref
 
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
@@ -58,7 +73,19 @@ def choose_k(a, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
     """The draft length in [0, k_max] maximising E(k) / (1 + k*(c + v)) (see the module doc; `a` one acceptance
     or per-position rates, as `expected_tokens`); 0 when no k > 0 beats plain decoding by `min_gain`. Ties
     (within 1e-9) go to the shorter draft."""
-    gains = [expected_tokens(a, k) / (1.0 + k * (c + v)) for k in range(k_max + 1)]
+    return best_k(a, [1.0 + k * (c + v) for k in range(k_max + 1)], min_gain)
+
+
+def best_k(a, ratios, min_gain: float = 1.0) -> int:
+    """The draft length k in [0, len(ratios) - 1] maximising E(k) / ratios[k], where ratios[k] is the time of a
+    step with k drafts over a plain step's (ratios[0] = 1); 0 when no k > 0 gains `min_gain`. Ties (within 1e-9)
+    go to the shorter draft."""
+    return pick_k([expected_tokens(a, k) / r for k, r in enumerate(ratios)], min_gain)
+
+
+def pick_k(gains, min_gain: float = 1.0) -> int:
+    """The k maximising gains[k] (gains[0] = 1, plain decoding); 0 unless it gains `min_gain`. Ties (within 1e-9)
+    go to the shorter draft."""
     top = max(gains)
     best = next(k for k, g in enumerate(gains) if g >= top - 1e-9)  # gains within rounding of the top: shortest
     return best if gains[best] >= min_gain else 0
@@ -95,6 +122,34 @@ class _Line:
         return (sx / n, sy / n) if n else None
 
 
+class _Times:
+    """Whole steps of one (bucket, k): the low envelope of their times (`_fast_down`), the latest `keep` (seconds,
+    tokens emitted) samples, the sample count and the decode step (`AutoSpec`'s clock) of the latest.
+    `per_token()` is seconds per emitted token over the kept samples within `burst` times the envelope: a step's own
+    variation (a replay after a rejection) counts, a burst of load on a shared machine (2-3x a few steps in a row)
+    does not."""
+
+    def __init__(self, keep: int = 16, burst: float = 1.5):
+        self.low, self.n, self.last, self.burst = None, 0, 0, burst
+        self.recent: collections.deque = collections.deque(maxlen=keep)
+
+    def add(self, seconds: float, tokens: float, clock: int) -> None:
+        self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
+        self.recent.append((seconds, tokens))
+
+    def per_token(self) -> float:
+        kept = [(s, t) for s, t in self.recent if s <= self.burst * self.low]
+        return sum(s for s, _ in kept) / max(1e-9, sum(t for _, t in kept))
+
+
+def _fast_down(old: float | None, seconds: float) -> float:
+    """Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is taken at once
+    and a slower one averaged in (one slow early sample would otherwise pass for the plain cost until the next
+    calibration, making every draft look cheap)."""
+    old = seconds if old is None else old
+    return min(seconds, old + 0.1 * (seconds - old))
+
+
 class AutoSpec:
     """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
 
@@ -102,7 +157,9 @@ class AutoSpec:
         k_max: the longest draft.
         fixed: (c, v) cost ratios to use instead of measured ones (tests; v then does not grow with the batch).
         prior_rate: the engine-wide acceptance of every draft position before any verification.
-        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch).
+        prior_c, prior_v: ratios used while a bucket is unmeasured (v per request of the batch; 0.005: whole
+            k = 1 steps at batch 16 measured ~1.38 plain steps on the tiny and the deep configs, c + 16 v; the
+            measured whole steps correct an optimistic start within a few steps).
         alpha, global_alpha: weight of one verified draft in a request's / the engine's acceptance.
         min_gain: the expected gain a draft must promise over plain decoding.
         probe_gain: the gain drafts certain to be accepted must promise at the batch's measured costs before a
@@ -110,12 +167,15 @@ class AutoSpec:
         probe_every: plain steps of a request between probes (doubled after each probe that did not bring it back,
             up to `max_backoff` times).
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
+        min_samples: whole speculative steps with k drafts a bucket needs before their measured time prices k.
+        forget: decode steps after a k's latest whole step before its measured time stops pricing it.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
-                 prior_c: float = 0.3, prior_v: float = 0.02, alpha: float = 0.15, global_alpha: float = 0.02,
+                 prior_c: float = 0.3, prior_v: float = 0.005, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
-                 calibrate_every: int = 64, probe_gain: float = 1.2):  # fmt: skip
+                 calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3,
+                 forget: int = 256):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -131,10 +191,19 @@ class AutoSpec:
         self.steps: dict[int, _Line] = {}
         self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
         self.batch = 1
+        self.batch_rates: list[float] = []  # the running requests' mean acceptance per position (`before_step`)
         self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
+        # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
+        self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> (seconds, tokens) per step
+        self.clock = 0  # decode-only steps recorded
+        self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step
+        self.forget = forget
+        self.whole_plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps (fast down, slow up)
+        self.min_samples = min_samples
+        self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
@@ -161,20 +230,90 @@ class AutoSpec:
         """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
         every entry decodes (no prompt chunk): a plain step's time (no request speculating), or a speculative
         step's with the tokens fed beyond one per entry."""
+        self._pending = None
         if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
             return
+        self.clock += 1
         b = bucket(len(plan))
+        # the step's k: drafts per entry, rounded, an entry without drafts counting its request's latest choice
+        # (a replay after rejections, or a head restarting, is a cost of drafting k)
+        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k else 0) for r, _ in plan)
+        k = int(mode / len(plan) + 0.5)
+        if k or not any(req.spec_k for req, _ in plan):  # neither: a lone probe in a plain batch
+            reqs = [req for req, _ in plan]
+            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
         if not any(req.spec_k for req, _ in plan):
-            # Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is
-            # taken at once and a slower one averaged in (one slow early sample would otherwise pass for the
-            # plain cost until the next calibration, making every draft look cheap).
-            old = self.plain.get(b, seconds)
-            self.plain[b] = min(seconds, old + 0.1 * (seconds - old))
+            self.plain[b] = _fast_down(self.plain.get(b), seconds)
             self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
         self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+
+    def record_step_end(self, seconds: float) -> None:
+        """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
+        if self._pending is not None:
+            batch, k, reqs, before = self._pending
+            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before)
+            self._pending = None
+
+    def record_whole(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+        """A whole decode-only step of `batch` entries in mode `k` (drafts per entry, rounded; 0: a plain step) that
+        emitted `tokens`: what prices k against plain decoding (`gains`)."""
+        b = bucket(batch)
+        if k == 0:
+            self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds / batch)  # one token per entry
+        else:
+            self.whole.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
+
+    def gains(self, batch: int, rates=None) -> list[float]:
+        """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
+        where k has `min_samples` whole steps and the bucket a plain one: (seconds per token plain) / (seconds per
+        token in k's steps), rollbacks, replays, proposals and host work included; else E(k) / (1 + k (c + v)),
+        the cost model's (`costs`, no dearer than the priors) with `rates` (default the engine's), its per-draft
+        cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
+        E(k) / gain(k) plain steps)."""
+        rates = self.rate if rates is None else rates
+        c, v = self.costs(batch)
+        if self.fixed is None:  # the model no dearer than the priors: a line fit to a few steps in a burst of load
+            c, v = min(c + v, self.prior_c + self.prior_v * batch), 0.0  # would keep drafting off from the start
+        model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
+        b = bucket(batch)
+        plain = self.whole_plain.get(b)
+        if self.fixed is not None:
+            return model
+        measured = {k: plain / self.whole[b, k].per_token() for k in range(1, self.k_max + 1)
+                    if plain is not None and self._fresh(self.whole.get((b, k)))}  # fmt: skip
+        if not measured:  # nothing here yet: no cheaper a draft than the nearest measured bucket's
+            per = self._borrowed(b, rates)
+            return model if per is None else [expected_tokens(rates, k) / (1.0 + k * max(c + v, per))
+                                              for k in range(self.k_max + 1)]  # fmt: skip
+        out = [1.0]
+        for k in range(1, self.k_max + 1):
+            if k in measured:
+                out.append(measured[k])
+                continue
+            near = min(measured, key=lambda j: (abs(j - k), j), default=None)
+            per = (expected_tokens(rates, near) / measured[near] - 1.0) / near if near is not None else 0.0
+            out.append(expected_tokens(rates, k) / (1.0 + k * max(c + v, per)))
+        return out
+
+    def _borrowed(self, b: int, rates) -> float | None:
+        """The per-draft cost (in plain steps) measured at the bucket nearest `b` that has a fresh k (its shortest),
+        or None: a bucket a batch enters late (requests finishing at different steps) starts from it, not from the
+        priors (they had the tail of a batch-16 run drafting k = 2-3 where k = 1 barely paid)."""
+        near = sorted((abs(math.log2(wb / b)), wb, k) for (wb, k), m in self.whole.items()
+                      if wb != b and wb in self.whole_plain and self._fresh(m))  # fmt: skip
+        if not near:
+            return None
+        _, wb, k = near[0]
+        gain = self.whole_plain[wb] / self.whole[wb, k].per_token()
+        return (expected_tokens(rates, k) / gain - 1.0) / k
+
+    def _fresh(self, low: _Times | None) -> bool:
+        """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
+        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
+        return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
 
     def record_proposal(self, batch: int, cells, seconds: float) -> None:
         """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
@@ -184,9 +323,11 @@ class AutoSpec:
             self.record_drafts(batch, longest, seconds)
 
     def measured(self, batch: int) -> bool:
-        """Whether `costs(batch)` comes from measurements (or `fixed`), not the priors."""
+        """Whether `gains(batch)` come from measurements (or `fixed`), not the priors."""
         b, line = bucket(batch), self.steps.get(bucket(batch))
         if self.fixed is not None:
+            return True
+        if b in self.whole_plain and any(self._fresh(m) for (wb, _), m in self.whole.items() if wb == b):
             return True
         return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
 
@@ -220,8 +361,14 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        c, v = self.costs(self.batch)
-        k = min(cap, choose_k(self.rates.get(req, self.rate), c, v, self.k_max, self.min_gain))
+        # Past batch 1 every auto request of the step drafts the same k, from the batch's mean rates: entries of
+        # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
+        # entries took ~1.7x the time of one of 1-draft entries on the deep config).
+        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
+        key = (self.clock, self.batch, tuple(rates))
+        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
+            self._gains = (key, self.gains(self.batch, rates))
+        k = min(cap, pick_k(self._gains[1], self.min_gain))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -241,6 +388,9 @@ class AutoSpec:
         Queued requests not started yet start plain when the measured costs of the batch they will join say the
         same (no head cells for their prompts)."""
         self.batch = max(1, len(running))
+        if self.batch > 1:  # per draft position, the mean over the running requests' rates (`draft_count`)
+            each = [self.rates.get(req, self.rate) for req in running]
+            self.batch_rates = [sum(r[j] for r in each) / len(each) for j in range(len(self.rate))]
         if waiting:
             joined = min(max_slots or len(running) + len(waiting), len(running) + len(waiting))
             if self.measured(joined) and not self._could_pay(joined):
@@ -268,19 +418,20 @@ class AutoSpec:
 
     def _could_pay(self, batch: int) -> bool:
         """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
-        return choose_k(1.0, *self.costs(batch), self.k_max, max(self.min_gain, self.probe_gain)) > 0
+        return pick_k(self.gains(batch, [1.0] * self.k_max), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one (8 while it has fewer than 3 plain ones measured), pause its speculating
-        requests for one step (a plain step to measure against: without it a speculative step's fixed overhead
-        would pass for plain cost)."""
+        decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration costs the
+        paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
+        step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
+        cost)."""
         for req in list(self.paused):
             self.paused.discard(req)
             if not req.finished and req.spec_k == 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
         b = bucket(self.batch)
-        due = self.calibrate_every if self.plain_count.get(b, 0) >= 3 else min(self.calibrate_every, 8)
+        due = min(self.calibrate_every, 8 << min(2 * self.plain_count.get(b, 0), 8))  # 8, 32, 128, ... steps
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         self.since_plain[b] = 0
