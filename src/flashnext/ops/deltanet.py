@@ -11,7 +11,8 @@ the final state, and picks the kernel by shape itself: one token per sequence wi
 runs the batched single-token recurrence of `ops.deltanet_step`; sequences of at most `SHORT` tokens with a state
 (a speculative verify step: the last token and a few drafts) run that recurrence once per position
 (`short_gated_delta_rule`), which costs a few small ops per token where a chunk pads to `CHUNK` tokens; anything
-else runs the chunked kernel.
+else runs the chunked kernel, a serving prefill in chunks of the power of two that holds its longest sequence
+(`fitted_chunk`, 16 to `CHUNK`: a 32-token prompt is one 32-token chunk, its state taken without the scan).
 
 On CUDA with flash-linear-attention installed (and `FLASHNEXT_FORCE_REF` unset) the FLA kernel is used instead;
 it is imported lazily, never at model construction.
