@@ -248,3 +248,28 @@ def test_one_chunk_per_sequence_skips_the_scan(cu, monkeypatch):
     want = torch.autograd.grad((ref_o * w).sum() + ref_final.sum(), inputs)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cu", [[0, 32, 64], [0, 64, 128]], ids=["one-chunk-each", "two-chunks-each"])
+def test_chunks_without_padding_skip_the_slot_scatter(cu, monkeypatch):
+    """Sequences that fill their chunks exactly (no padding slot) are laid out by reshapes: the slot scatter and
+    the output gather (made to fail here) do not run; forward and backward equal the recurrence (fp64 inputs,
+    fp32 arithmetic inside: 1e-6, gradients 1e-5)."""
+    from flashnext.ops import deltanet
+
+    def refuse(*args):
+        raise AssertionError("a slot scatter/gather ran without padding")
+
+    monkeypatch.setattr(deltanet.rows, "scatter_rows", refuse)
+    monkeypatch.setattr(deltanet.rows, "gather_rows", lambda x, i: refuse() if i.numel() == cu[-1] else x[i])
+    inputs = _inputs(cu)
+    init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    o, final = deltanet.chunk_gated_delta_rule(*inputs, cu, init, chunk_size=32)
+    ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(final.double(), ref_final.double(), rtol=1e-6, atol=1e-6)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(9), dtype=o.dtype)
+    got = torch.autograd.grad((o * w).sum(), inputs)
+    want = torch.autograd.grad((ref_o * w).sum(), inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)

@@ -201,9 +201,11 @@ def chunk_gated_delta_rule(
     T, H, K = k.shape
     V, NC, C = v.shape[-1], layout.num_chunks, chunk_size
 
+    pad = NC * C != T  # else every slot holds a token, in order (`tok_slot` is the identity): no scatter/gather
+
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [NC, H, C, ...], padding slots zero
-        x = rows.scatter_rows(x, layout.tok_slot, NC * C).view(NC, C, *x.shape[1:])
-        return x.transpose(1, 2).contiguous()
+        x = rows.scatter_rows(x, layout.tok_slot, NC * C) if pad else x
+        return x.reshape(NC, C, *x.shape[1:]).transpose(1, 2).contiguous()
 
     qc, kc, vc, gc, bc = (to_chunks(x) for x in (q, k, v, g, beta))
     A, B, M, U = _intra_chunk(qc, kc, vc, gc, bc)
@@ -216,8 +218,7 @@ def chunk_gated_delta_rule(
     )
     S = rows.gather_rows(befores, layout.chunk_major)  # state before each chunk, chunk order [NC, H, K, V]
     o_chunks = torch.baddbmm(B.flatten(0, 1), A.flatten(0, 1), S.flatten(0, 1)).view(NC, H, C, V)
-    o = rows.gather_rows(o_chunks.transpose(1, 2).reshape(NC * C, H, V), layout.tok_slot)
-    return o.to(out_dtype), rows.gather_rows(final, layout.unorder)
+    return _token_rows(o_chunks, layout).to(out_dtype), rows.gather_rows(final, layout.unorder)
 
 
 def _single_chunks(A, B, M, U, S0, layout: ChunkLayout, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +229,15 @@ def _single_chunks(A, B, M, U, S0, layout: ChunkLayout, out_dtype) -> tuple[torc
     S0 = S0.flatten(0, 1)
     final = torch.baddbmm(U.flatten(0, 1), M.flatten(0, 1), S0).view(NC, H, *U.shape[2:])
     o_chunks = torch.baddbmm(B.flatten(0, 1), A.flatten(0, 1), S0).view(NC, H, C, V)
-    return rows.gather_rows(o_chunks.transpose(1, 2).reshape(NC * C, H, V), layout.tok_slot).to(out_dtype), final
+    return _token_rows(o_chunks, layout).to(out_dtype), final
+
+
+def _token_rows(o_chunks: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """Chunk outputs [NC, H, C, V] -> token rows [T, H, V]: gathered from their slots, unless every slot is a
+    token (no padding: a prompt that fills its chunks, e.g. 32 tokens at the fitted chunk size 32)."""
+    NC, H, C, V = o_chunks.shape
+    flat = o_chunks.transpose(1, 2).reshape(NC * C, H, V)
+    return flat if NC * C == layout.tok_slot.numel() else rows.gather_rows(flat, layout.tok_slot)
 
 
 @dataclass
