@@ -416,13 +416,16 @@ def solve_unit_lower(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     runs for inference (no grad) on CPU with few systems (`LAPACK_SOLVES`): one short prefill's chunks.
     """
     if lower.device.type == "cpu" and lower[..., 0, 0].numel() <= LAPACK_SOLVES and not _needs_grad(lower, rhs):
-        return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        # as X^T = R^T L^-T: the transposed views are the column-major layout LAPACK reads, so neither side is
+        # copied first (8 systems of 32 with 64 right-hand sides: 36 against 86 us in the `lower, rhs` form)
+        return torch.linalg.solve_triangular(lower.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
     return _UnitLowerSolve.apply(lower, rhs)
 
 
 # Inference on CPU with at most this many systems (a prefill of up to 512 tokens at 8 heads, one chunk each of 8):
 # LAPACK's unit-triangular solve, which reads only the strictly lower part too. Measured, fp32, 1 thread, C = 32:
-# 8 systems 0.09 ms against 0.34 ms for the batched inverse's 15 row steps and merge; C = 64: 0.18 against 0.49 ms.
+# 8 systems 0.04 ms against 0.34 ms for the batched inverse's 15 row steps and merge; C = 64: 0.18 against 0.49 ms
+# (in the copying `lower, rhs` form).
 LAPACK_SOLVES = 64
 
 
