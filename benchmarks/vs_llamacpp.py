@@ -30,7 +30,13 @@ by the reference harness, saved, loaded by `flashnext.from_pretrained`, converte
 
 Output:
     # agreement: 32/32 greedy tokens equal (or k/32, then a tie)
-    batch=<b> ours=<tok/s> llama.cpp=<tok/s> ratio=<ours/llama.cpp> load=<1-min load>
+    batch=<b> ours=<tok/s> llama.cpp=<tok/s> ratio=<ours/llama.cpp> load=<1-min load> prefill_ours=<tok/s>
+        prefill_llama.cpp=<tok/s> prefill_ratio=<ours/llama.cpp>      (one line per batch size)
+    dtype=<dtype> prefill_b<b>=<prefill ratio> ...
+
+The prefill figures time the 32-token prompts alone: llama.cpp's S_PP column (T_PP: its one `llama_decode` of
+the B prompts) against ours as `Engine.generate(max_tokens=1)` (the prompt steps plus one greedy sample, see
+`ours_prefill_seconds`), timed in the same alternating rounds.
 """
 
 from __future__ import annotations
@@ -142,18 +148,23 @@ def tie_gap(model, ids: list[int], rest: bytes) -> float | None:
     return float(logits.max() - logits[tok])
 
 
-def llamacpp_seconds(bench: Path, gguf: Path, batch: int, threads: int) -> float:
-    """Total seconds of llama-batched-bench for `batch` sequences of 32 prompt + 64 generated tokens."""
+def llamacpp_seconds(bench: Path, gguf: Path, batch: int, threads: int) -> tuple[float, float]:
+    """(total seconds, prompt-processing seconds T_PP) of llama-batched-bench for `batch` sequences of 32 prompt +
+    64 generated tokens."""
     cmd = [str(bench), "-m", str(gguf), "-c", "4096", "-b", "2048", "-ub", "512", "-npp", str(PROMPT_LEN),
            "-ntg", str(NEW_TOKENS), "-npl", str(batch), "-t", str(threads), "-tb", str(threads)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    for line in proc.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 10 and cells[2] == str(batch) and re.fullmatch(r"[\d.]+", cells[8]):
-            return float(cells[8])  # columns: PP TG B N_KV T_PP S_PP T_TG S_TG T S
-    raise RuntimeError(f"no result row for B={batch} in llama-batched-bench's output:\n{proc.stdout[-3000:]}")
+    for _attempt in range(3):  # now and then (~1 run in 12 on a loaded box) it prints the header and no row
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        for line in proc.stdout.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 10 and cells[2] == str(batch) and re.fullmatch(r"[\d.]+", cells[8]):
+                return float(cells[8]), float(cells[4])  # columns: PP TG B N_KV T_PP S_PP T_TG S_TG T S
+    raise RuntimeError(
+        f"no result row for B={batch} in llama-batched-bench's output (3 runs):\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-2000:]}"
+    )
 
 
 def ours_seconds(engine, vocab: int, batch: int, seed: int) -> float:
@@ -163,6 +174,20 @@ def ours_seconds(engine, vocab: int, batch: int, seed: int) -> float:
     prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def ours_prefill_seconds(engine, vocab: int, batch: int, seed: int) -> float:
+    """Seconds of our prefill of `batch` 32-token prompts: `Engine.generate` with `max_tokens=1`, i.e. the prompt
+    steps (all B prompts in one step when they fit the token budget) plus sampling the first token greedily, the
+    nearest match to llama-batched-bench's T_PP (one `llama_decode` of the B prompts, logits of each last token,
+    no sampling): ours carries the one greedy sample and the request bookkeeping on top."""
+    from flashnext.serve.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed + 1000)
+    prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     return time.perf_counter() - start
 
 
@@ -209,6 +234,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    prefill = {}  # batch -> our prefill tok/s over llama.cpp's S_PP
     with tempfile.TemporaryDirectory(prefix="flashnext-vs-llamacpp-") as tmp:
         model, gguf = build(dtype, args.seed, Path(tmp))
         equal, n, tie = agreement(model, simple, gguf, args.threads)
@@ -223,14 +249,23 @@ def main(argv=None) -> int:
                             decode_graph=args.decode_graph, decode_buckets=[b])  # fmt: skip
             if engine.decode_graph is not None:
                 print(f"# decode graph batch={b}: compiled in {engine.decode_graph.warmup()[b]:.1f} s", flush=True)
-            times, loads = {"ours": [], "llama.cpp": []}, []
+            times, loads = {"ours": [], "llama.cpp": [], "ours_pp": [], "llama.cpp_pp": []}, []
+            ours_prefill_seconds(engine, model.config.vocab_size, b, args.seed)  # first prefill of this engine
             for rep in range(args.repeats):
                 loads.append(os.getloadavg()[0])
                 times["ours"].append(ours_seconds(engine, model.config.vocab_size, b, args.seed + rep))
-                times["llama.cpp"].append(llamacpp_seconds(bench, gguf, b, args.threads))
+                times["ours_pp"].append(ours_prefill_seconds(engine, model.config.vocab_size, b, args.seed + rep))
+                total, pp = llamacpp_seconds(bench, gguf, b, args.threads)
+                times["llama.cpp"].append(total)
+                times["llama.cpp_pp"].append(pp)
             t = {k: statistics.median(v) for k, v in times.items()}
             ours, theirs = b * NEW_TOKENS / t["ours"], b * NEW_TOKENS / t["llama.cpp"]
-            print(f"batch={b} ours={ours:.1f} llama.cpp={theirs:.1f} ratio={ours / theirs:.2f} load={max(loads):.1f}")
+            pp_ours, pp_theirs = b * PROMPT_LEN / t["ours_pp"], b * PROMPT_LEN / t["llama.cpp_pp"]
+            prefill[b] = pp_ours / pp_theirs
+            print(f"batch={b} ours={ours:.1f} llama.cpp={theirs:.1f} ratio={ours / theirs:.2f} load={max(loads):.1f}"
+                  f" prefill_ours={pp_ours:.0f} prefill_llama.cpp={pp_theirs:.0f} prefill_ratio={prefill[b]:.2f}",
+                  flush=True)  # fmt: skip
+    print(f"dtype={args.dtype} " + " ".join(f"prefill_b{b}={r:.2f}" for b, r in prefill.items()))
     return 0
 
 

@@ -182,3 +182,94 @@ def test_equal_short_sequences_take_the_strided_path(cu, monkeypatch):
     ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
     torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("C", [16, 20, 64], ids=lambda c: f"C{c}")
+def test_inference_solve_takes_lapack_and_equals_the_batched_inverse(C, monkeypatch):
+    """Without grad on CPU, a few systems (one short prefill's chunks) are solved by LAPACK's unit-triangular
+    solve, not the batched inverse (made to fail here); it reads only the strictly lower part as the batched
+    inverse does (the diagonal and upper part hold noise) and equals it (fp64: 1e-10)."""
+    from flashnext.ops import deltanet
+
+    g = torch.Generator().manual_seed(C)
+    lower = torch.randn(2, 4, C, C, generator=g, dtype=torch.float64) * 0.3
+    rhs = torch.randn(2, 4, C, 7, generator=g, dtype=torch.float64)
+    batched = deltanet._UnitLowerSolve.apply(lower, rhs)
+
+    def refuse(L):
+        raise AssertionError("the batched inverse ran for an inference solve")
+
+    monkeypatch.setattr(deltanet, "_invert_unit_lower", refuse)
+    with torch.inference_mode():
+        torch.testing.assert_close(deltanet.solve_unit_lower(lower, rhs), batched, rtol=1e-10, atol=1e-10)
+    with pytest.raises(AssertionError, match="batched inverse"):  # with grad: the batched inverse and its backward
+        deltanet.solve_unit_lower(lower.requires_grad_(), rhs)
+
+
+@pytest.mark.parametrize("cu", [[0, 32], [0, 9, 41], [0, 17, 30, 60]], ids=["one-32", "two", "three"])
+def test_serving_prefill_pads_to_its_own_chunk_size(cu):
+    """A serving prefill (a state given) whose sequences are shorter than `CHUNK` runs chunks of the power of two
+    that holds the longest (`fitted_chunk`: 32 for a 32-token prompt, not 64) and still equals the recurrence
+    (fp64 inputs, fp32 arithmetic inside: 1e-6)."""
+    from flashnext.batch import make_segments
+    from flashnext.ops.deltanet import CHUNK, fitted_chunk, gated_delta_rule
+
+    inputs = [t.detach() for t in _inputs(cu)]
+    init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    seg = make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1])
+    o, final = gated_delta_rule(*inputs, seg, initial_state=init)
+    want = fitted_chunk(seg.max_seqlen)
+    assert want < CHUNK and [key for key in seg.memo if key[0] == "gdn_chunks"] == [("gdn_chunks", want)]
+    ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
+    torch.testing.assert_close(o, ref_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
+    assert [fitted_chunk(n) for n in (1, 9, 16, 17, 32, 33, 64, 65, 500)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+
+
+@pytest.mark.parametrize("cu", [[0, 32], [0, 20, 52], [0, 1]], ids=["one", "two", "len1"])
+def test_one_chunk_per_sequence_skips_the_scan(cu, monkeypatch):
+    """When every sequence is one chunk (a short prefill at its fitted chunk size), the states and outputs come
+    straight from `A S0 + B` / `M S0 + U` without the cross-chunk scan (made to fail here), forward and backward
+    equal to the recurrence (fp64 inputs, fp32 arithmetic inside: 1e-6, gradients 1e-5)."""
+    from flashnext.ops import deltanet
+
+    def refuse(*args):
+        raise AssertionError("the scan ran for one chunk per sequence")
+
+    monkeypatch.setattr(deltanet._StateScan, "apply", refuse)
+    inputs = _inputs(cu)
+    init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    o, final = deltanet.chunk_gated_delta_rule(*inputs, cu, init.clone().requires_grad_(), chunk_size=32)
+    ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(final.double(), ref_final.double(), rtol=1e-6, atol=1e-6)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=o.dtype)
+    got = torch.autograd.grad((o * w).sum() + final.sum(), inputs)
+    want = torch.autograd.grad((ref_o * w).sum() + ref_final.sum(), inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cu", [[0, 32, 64], [0, 64, 128]], ids=["one-chunk-each", "two-chunks-each"])
+def test_chunks_without_padding_skip_the_slot_scatter(cu, monkeypatch):
+    """Sequences that fill their chunks exactly (no padding slot) are laid out by reshapes: the slot scatter and
+    the output gather (made to fail here) do not run; forward and backward equal the recurrence (fp64 inputs,
+    fp32 arithmetic inside: 1e-6, gradients 1e-5)."""
+    from flashnext.ops import deltanet
+
+    def refuse(*args):
+        raise AssertionError("a slot scatter/gather ran without padding")
+
+    monkeypatch.setattr(deltanet.rows, "scatter_rows", refuse)
+    monkeypatch.setattr(deltanet.rows, "gather_rows", lambda x, i: refuse() if i.numel() == cu[-1] else x[i])
+    inputs = _inputs(cu)
+    init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    o, final = deltanet.chunk_gated_delta_rule(*inputs, cu, init, chunk_size=32)
+    ref_o, ref_final = recurrent_gated_delta_rule(*inputs, cu, init)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(final.double(), ref_final.double(), rtol=1e-6, atol=1e-6)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(9), dtype=o.dtype)
+    got = torch.autograd.grad((o * w).sum(), inputs)
+    want = torch.autograd.grad((ref_o * w).sum(), inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
