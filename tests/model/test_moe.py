@@ -134,3 +134,30 @@ def test_gathered_bf16_sums_without_index_add():
     assert not {"index_add", "index_add_", "scatter_add", "scatter_add_"} & ops.names, sorted(ops.names)
     ref = _loop_reference(ex.double(), x.double(), e, w.double())
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_compiled_static_step_sums_each_assignment_in_expert_order():
+    """Traced by dynamo (what the CPU decode graph compiles), an fp32 static step's experts are `_reduced`: sums
+    over each assignment's expert rows taken in expert order (an argsort of the routed ids; no batched GEMM over
+    every expert), the routing order restored before each token's sum. Against the fp64 loop on the same inputs:
+    fp32 sums of 8-term products, 1e-5."""
+    torch.manual_seed(4)
+    moe = SparseMoE(_cfg(E=6, k=2)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(9, 8, dtype=torch.float64)  # 18 assignments over 6 experts: not the gather path
+    w, e = moe.gate(x)
+    ref = _loop_reference(moe.experts, x.float().double(), e, w.float().double())
+    ex = moe.experts.float()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        step = torch.compile(lambda *a: ex(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
+        got = step(x.float(), e, w.float())
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    assert not any("bmm" in op for op in ops) and any("argsort" in op for op in ops), ops
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
