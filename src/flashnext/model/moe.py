@@ -20,6 +20,7 @@ from flashnext.model.fused import Group, apply_linear
 from flashnext.model.state import TRAIN_STEP, Step
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
+SORTED_ASSIGNMENTS = 2  # `reduced_experts` sorts the assignments by expert from this many per expert on
 
 
 class Router(nn.Module):
@@ -177,27 +178,36 @@ def reduced_experts(x, flat_e, weights, gate_up, down, gate_up_scale=None, down_
     the input dim; int8 codes (`quant.int_experts`) come with a row scale per expert output (`[E, 2I]` /
     `[E, D]`, multiplied into the sums).
 
-    The assignments run in expert order (a stable sort of `flat_e`; their outputs put back in routing order before
-    each token's weighted sum over its k experts, no scatter): consecutive sums then read the same expert's rows,
-    from cache after the first. The fp32 compiled batch-16 step of the bench config took 0.936x the time of the
-    routing-order form (1 thread, one-process A/B), whose first MoE layer had compiled to a scalar loop (its input
-    laid out transposed for a GEMM, `benchmarks/RESULTS.md`); alone, one layer's experts: 631 against 639 us."""
+    With at least `SORTED_ASSIGNMENTS` assignments per expert the assignments run in expert order (a stable sort of
+    `flat_e`; their outputs put back in routing order before each token's weighted sum over its k experts, no
+    scatter): consecutive sums then read the same expert's rows, from cache after the first. Measured on the bench
+    config's compiled fp32 step (1 thread, one-process A/Bs, `benchmarks/RESULTS.md`): batch 16 (4 per expert)
+    0.936x the time of routing order, whose first MoE layer had compiled to a scalar loop (its input laid out
+    transposed for a GEMM); batch 4 (1 per expert) 1.146x, hence the bound."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     T, k = weights.shape
-    order = torch.argsort(flat_e, stable=True)  # assignment ids in expert order
-    e = flat_e.index_select(0, order)
-    xa = x.to(dtype).index_select(0, order // k)  # [A, D]
-    gu = (gate_up[e].to(dtype) * xa[:, None, :]).sum(-1)  # [A, 2I]
+    w = weights.reshape(-1)
+    order = None
+    if flat_e.numel() >= SORTED_ASSIGNMENTS * gate_up.shape[0]:
+        order = torch.argsort(flat_e, stable=True)  # assignment ids in expert order
+        flat_e, w = flat_e.index_select(0, order), w.index_select(0, order)
+        token = order // k
+    else:
+        token = torch.arange(flat_e.numel(), device=x.device) // k
+    xa = x.to(dtype).index_select(0, token)  # [A, D]
+    gu = (gate_up[flat_e].to(dtype) * xa[:, None, :]).sum(-1)  # [A, 2I]
     if gate_up_scale is not None:
-        gu = gu * gate_up_scale[e].to(dtype)
+        gu = gu * gate_up_scale[flat_e].to(dtype)
     gate, up = gu.chunk(2, dim=-1)  # [A, I] each
     h = F.silu(gate) * up
-    out = (down[e].to(dtype) * h[:, None, :]).sum(-1)  # [A, D]
+    out = (down[flat_e].to(dtype) * h[:, None, :]).sum(-1)  # [A, D]
     if down_scale is not None:
-        out = out * down_scale[e].to(dtype)
-    out = out * weights.reshape(-1).index_select(0, order).to(dtype)[:, None]
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return out.index_select(0, back).view(T, k, -1).sum(1)  # routing order, each token's k experts summed
+        out = out * down_scale[flat_e].to(dtype)
+    out = out * w.to(dtype)[:, None]
+    if order is not None:  # back to routing order
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = out.index_select(0, back)
+    return out.view(T, k, -1).sum(1)  # each token's k experts summed
 
 
 class SparseMoE(nn.Module):
