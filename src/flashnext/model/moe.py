@@ -183,7 +183,7 @@ def reduced_experts(x, flat_e, weights, gate_up, down, gate_up_scale=None, down_
     scatter): consecutive sums then read the same expert's rows, from cache after the first. Measured on the bench
     config's compiled fp32 step (1 thread, one-process A/Bs, `benchmarks/RESULTS.md`): batch 16 (4 per expert)
     0.936x the time of routing order, whose first MoE layer had compiled to a scalar loop (its input laid out
-    transposed for a GEMM); batch 4 (1 per expert) 1.146x, hence the bound."""
+    transposed for a GEMM); batch 8 (2 per expert) 1.007x; batch 4 (1 per expert) 1.146x, hence the bound."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     T, k = weights.shape
     w = weights.reshape(-1)
