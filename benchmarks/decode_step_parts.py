@@ -13,7 +13,8 @@ decode graph compiled for each batch (inductor). Per batch, after warm-up, alter
   dynamo), alternating with it; `bound_ms / graph_ms` what binding saves;
 - from one profiled run of the compiled step (torch profiler, self CPU time per step): `guards_ms` (dynamo's cache
   lookup: its guard evaluation), `wrapper_ms` (the compiled graph's wrapper: buffer allocation, kernel calls;
-  without `--kernels` the generated kernels' time too), `kernels_ms` (the aten ops the graph calls; with `--kernels N`
+  without `--kernels` the generated kernels' time too), `kernels_ms` (the aten ops the graph calls, named
+  `aoti_torch_cpu_*` under inductor's C++ wrapper: e.g. the GEMMs of products `fused.reduces` leaves; with `--kernels N`
   also inductor's generated kernels, compiled with `cpp.enable_kernel_profile` so each is a row, which slows every
   part by its hooks: take the times from a run without it), and the N heaviest kernels.
 The load average is printed: parts timed at a load above the thread count are not results (every OpenMP barrier
@@ -121,7 +122,7 @@ def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[t
             out["guards_ms"] += ms
         elif e.key.startswith("## Call CompiledFxGraph"):
             out["wrapper_ms"] += ms
-        elif e.key.startswith(("graph_", "aten::")):
+        elif e.key.startswith(("graph_", "aten::", "aoti_torch_cpu_")):  # the last: the C++ wrapper's aten calls
             out["kernels_ms"] += ms
             kernels.append((e.key, ms, e.count // steps))
     return out, sorted(kernels, key=lambda k: -k[1])

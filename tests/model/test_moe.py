@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flashnext.config import TextConfig
-from flashnext.model.moe import Experts, SparseMoE
+from flashnext.model.moe import SORTED_ASSIGNMENTS, Experts, SparseMoE
 from flashnext.model.state import DECODE, Step
 
 
@@ -181,3 +181,34 @@ def test_fp32_prefill_slab_keeps_the_row_major_products(monkeypatch):
     cap = int(torch.bincount(e.flatten(), minlength=16).max())
     assert cap <= 16 and firsts == [(16, cap, 96), (16, cap, 32)]  # the slab's rows first, not the weights
     torch.testing.assert_close(out, _loop_reference(ex, x, e, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [9, 4], ids=["3_per_expert", "1.3_per_expert"])
+def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
+    """Traced by dynamo (what the CPU decode graph compiles), an fp32 static step's experts are `_reduced`: sums
+    over each assignment's expert rows (no batched GEMM over every expert), taken in expert order (an argsort of
+    the routed ids, the routing order restored before each token's sum) when there are at least
+    `SORTED_ASSIGNMENTS` assignments per expert, else in routing order. Against the fp64 loop on the same inputs:
+    fp32 sums of 8-term products, 1e-5."""
+    torch.manual_seed(4)
+    moe = SparseMoE(_cfg(E=6, k=2)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(tokens, 8, dtype=torch.float64)  # 18 or 8 assignments over 6 experts: not the gather path
+    w, e = moe.gate(x)
+    ref = _loop_reference(moe.experts, x.float().double(), e, w.float().double())
+    ex = moe.experts.float()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        step = torch.compile(lambda *a: ex(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
+        got = step(x.float(), e, w.float())
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    assert not any("bmm" in op for op in ops), ops
+    assert any("argsort" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)

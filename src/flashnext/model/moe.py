@@ -25,6 +25,7 @@ SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert 
 # capacity cost more than the copy (a speculative verify step's 2 / 4 tokens x top-2 of 8 experts of 24.6 KB: the
 # grouped path 92 / 95 us a layer, the gathered 59 / 82 us; alternated, 1 thread, load ~4.5). Not on a static step.
 GATHER_BYTES = 1 << 18
+SORTED_ASSIGNMENTS = 2  # `reduced_experts` sorts the assignments by expert from this many per expert on
 
 
 class Router(nn.Module):
@@ -102,10 +103,11 @@ class Experts(nn.Module):
         Written for inductor (fp32, CPU, inside a compiled static step): it fuses the weight gather into the
         reduction, reading each assignment's expert rows where they lie, with neither a copy nor the every-expert
         FLOPs of `_dense`. Measured at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread: 0.37 ms
-        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM); in bf16 `_dense` wins (oneDNN's bf16 dot
-        products: 0.69 against 0.93 ms), and run eagerly this would materialise [A, 2I, D] products.
+        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM). bf16 keeps `_dense` (oneDNN's bf16 batched
+        GEMMs): this form in bf16 (fp32 sums) was 0.68 against 0.87 ms per layer alone but the same whole compiled
+        step (0.996x, `benchmarks/RESULTS.md`). Run eagerly this would materialise [A, 2I, D] products.
         """
-        return reduced_experts(x, flat_e, weights, self.gate_up_proj, self.down_proj)
+        return reduced_experts(x, flat_e, weights, self.gate_up_proj, self.down_proj).to(x.dtype)
 
     def _dense(self, x, experts, weights):
         """Every expert on every token, outputs summed with the routing weights (0 for an unchosen expert).
@@ -186,12 +188,27 @@ class SharedExpert(nn.Module):
 
 
 def reduced_experts(x, flat_e, weights, gate_up, down, gate_up_scale=None, down_scale=None) -> torch.Tensor:
-    """`Experts._reduced`'s computation -> [T, D]: each assignment's expert rows gathered from `gate_up` [E, 2I, D]
-    / `down` [E, D, I] and multiplied into sums over the input dim, in x's dtype; int8 codes (`quant.int_experts`)
-    come with a row scale per expert output (`[E, 2I]` / `[E, D]`, multiplied into the sums) and run in fp32."""
-    dtype = x.dtype if gate_up_scale is None else torch.float32
+    """`Experts._reduced`'s computation -> [T, D] in fp32 (x's dtype if wider): each assignment's expert rows
+    gathered from `gate_up` [E, 2I, D] / `down` [E, D, I] (upcast as they are read) and multiplied into sums over
+    the input dim; int8 codes (`quant.int_experts`) come with a row scale per expert output (`[E, 2I]` /
+    `[E, D]`, multiplied into the sums).
+
+    With at least `SORTED_ASSIGNMENTS` assignments per expert the assignments run in expert order (a stable sort of
+    `flat_e`; their outputs put back in routing order before each token's weighted sum over its k experts, no
+    scatter): consecutive sums then read the same expert's rows, from cache after the first. Measured on the bench
+    config's compiled fp32 step (1 thread, one-process A/Bs, `benchmarks/RESULTS.md`): batch 16 (4 per expert)
+    0.936x the time of routing order, whose first MoE layer had compiled to a scalar loop (its input laid out
+    transposed for a GEMM); batch 8 (2 per expert) 1.007x; batch 4 (1 per expert) 1.146x, hence the bound."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
     T, k = weights.shape
-    token = torch.arange(flat_e.numel(), device=x.device) // k
+    w = weights.reshape(-1)
+    order = None
+    if flat_e.numel() >= SORTED_ASSIGNMENTS * gate_up.shape[0]:
+        order = torch.argsort(flat_e, stable=True)  # assignment ids in expert order
+        flat_e, w = flat_e.index_select(0, order), w.index_select(0, order)
+        token = order // k
+    else:
+        token = torch.arange(flat_e.numel(), device=x.device) // k
     xa = x.to(dtype).index_select(0, token)  # [A, D]
     gu = (gate_up[flat_e].to(dtype) * xa[:, None, :]).sum(-1)  # [A, 2I]
     if gate_up_scale is not None:
@@ -201,7 +218,11 @@ def reduced_experts(x, flat_e, weights, gate_up, down, gate_up_scale=None, down_
     out = (down[flat_e].to(dtype) * h[:, None, :]).sum(-1)  # [A, D]
     if down_scale is not None:
         out = out * down_scale[flat_e].to(dtype)
-    return (out * weights.reshape(-1, 1).to(dtype)).view(T, k, -1).sum(1)
+    out = out * w.to(dtype)[:, None]
+    if order is not None:  # back to routing order
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = out.index_select(0, back)
+    return out.view(T, k, -1).sum(1)  # each token's k experts summed
 
 
 class SparseMoE(nn.Module):
