@@ -56,16 +56,16 @@ def test_costs_from_step_times():
     """Steps t = t0 + m x (x extra tokens) and draft steps of t_d give c = t_d / t0, v = B m / t0; an unmeasured
     bucket falls back to the priors; acceptance is an exponential average seeded from the engine's rate."""
     auto = AutoSpec(prior_c=0.3, prior_v=0.02)
-    assert auto.costs(4) == (0.3, 0.08)
+    assert auto.model.costs(4) == (0.3, 0.08)
     for x in (0, 4, 8, 0, 12):
-        auto.record_step(4, x, 0.010 + 0.0005 * x)
-    auto.record_drafts(4, 2, 0.004)
-    c, v = auto.costs(3)  # bucket 4
+        auto.model.record_step(4, x, 0.010 + 0.0005 * x)
+    auto.model.record_drafts(4, 2, 0.004)
+    c, v = auto.model.costs(3)  # bucket 4
     assert bucket(3) == bucket(4) == 4 and bucket(5) == 8 and bucket(1) == 1
     assert c == pytest.approx(0.2, rel=1e-6) and v == pytest.approx(3 * 0.0005 / 0.010, rel=1e-6)
-    auto.plain[4] = 0.008  # a measured plain step: the speculative steps' overhead (0.002) joins the token cost
-    c, v = auto.costs(4)
-    x, y = auto.steps[4].mean()  # (decayed means)
+    auto.model.plain[4] = 0.008  # a measured plain step: the speculative steps' overhead (0.002) joins the token cost
+    c, v = auto.model.costs(4)
+    x, y = auto.model.steps[4].mean()  # (decayed means)
     assert c == pytest.approx(0.25) and v == pytest.approx(4 * (y - 0.008) / x / 0.008)
     assert (y - 0.008) / x > 0.0005  # the average cost per token, overhead included, above the line's slope
     req = object.__new__(type("R", (), {}))
@@ -255,9 +255,9 @@ def test_plain_step_time_is_fast_down_slow_up_and_calibrated_early():
         r.spec_k = 0
     auto.record_plan(spec, 0.030)  # a slow first plain sample
     auto.record_plan(spec, 0.010)
-    assert auto.plain[2] == 0.010
+    assert auto.model.plain[2] == 0.010
     auto.record_plan(spec, 0.020)
-    assert auto.plain[2] == pytest.approx(0.011)
+    assert auto.model.plain[2] == pytest.approx(0.011)
     for r in reqs:
         r.spec_k = 4
     for _ in range(8):
@@ -291,9 +291,9 @@ def _steps(auto, batch, k, seconds, tokens=None, model_seconds=0.010):
 def _cheap_drafts_by_the_model(auto, batch):
     """Model steps and proposals that make drafts look cheap to the cost model (c = 0.1, v ~ 0.02 batch)."""
     for x in (0, 3, 0, 3):
-        auto.record_step(batch, x, 0.010 + 0.0002 * x)
-    auto.record_drafts(batch, 1, 0.001)
-    auto.plain[bucket(batch)] = 0.010
+        auto.model.record_step(batch, x, 0.010 + 0.0002 * x)
+    auto.model.record_drafts(batch, 1, 0.001)
+    auto.model.plain[bucket(batch)] = 0.010
 
 
 def test_measured_tokens_per_second_turn_drafting_off_where_the_cost_model_would_draft():
@@ -307,7 +307,7 @@ def test_measured_tokens_per_second_turn_drafting_off_where_the_cost_model_would
     for _ in range(40):
         auto.observe(req, 4, 2)  # ~[1, 1, 0, .5]: E(k) 2, 3, 3, 3
     rates = auto.rates[req]
-    assert choose_k(rates, *auto.costs(1), 4, auto.min_gain) > 0  # what the cost model alone chose
+    assert choose_k(rates, *auto.model.costs(1), 4, auto.min_gain) > 0  # what the cost model alone chose
     _steps(auto, 1, 0, [0.010] * 2)
     for k, t, n in ((1, 0.021, 2), (2, 0.031, 3), (3, 0.040, 3), (4, 0.050, 3)):
         _steps(auto, 1, k, [t] * 3, n)
@@ -328,7 +328,7 @@ def test_measured_tokens_per_second_pick_the_best_k():
     model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
     assert auto.gains(1, rates) == pytest.approx(model) and auto.draft_count(req, 4) == 2
     _steps(auto, 1, 0, [0.010, 0.012])  # plain: fast down, slow up -> 0.0102
-    t0 = auto.whole_plain[1]
+    t0 = auto.wholes.plain[1]
     _steps(auto, 1, 2, [2.0 * t0], 3)
     _steps(auto, 1, 2, [2.0 * t0], 2)
     assert auto.gains(1, rates)[2] == pytest.approx(model[2])  # two samples: not yet measured
@@ -355,7 +355,7 @@ def test_measured_tokens_per_second_pick_the_best_k():
     for _ in range(5):
         auto.record_plan([(r, 1) for r in lone], 0.010)
         auto.record_step_end(0.010)
-    assert (16, 1) not in auto.whole and (16, 2) not in auto.whole and auto.whole_plain[16] == 0.010 / 16
+    assert (16, 1) not in auto.wholes.steps and (16, 2) not in auto.wholes.steps and auto.wholes.plain[16] == 0.010 / 16
 
 
 def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
@@ -369,9 +369,9 @@ def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
     auto.rates[req] = rates = [0.9] * 4
     model = [expected_tokens(rates, k) / (1 + 0.305 * k) for k in range(5)]
     for x in (0, 3, 0, 3):  # the cost model's line fit in a burst: no dearer than the priors for k not measured
-        auto.record_step(1, x, 0.050 + 0.02 * x)
-    auto.record_drafts(1, 1, 0.040)
-    assert sum(auto.costs(1)) > 1.0 and auto.gains(1, rates) == pytest.approx(model)
+        auto.model.record_step(1, x, 0.050 + 0.02 * x)
+    auto.model.record_drafts(1, 1, 0.040)
+    assert sum(auto.model.costs(1)) > 1.0 and auto.gains(1, rates) == pytest.approx(model)
     _steps(auto, 1, 0, [0.010])
     _steps(auto, 1, 1, [0.030] * 3, 2)
     assert auto.gains(1, rates)[1] == pytest.approx(2 / 3) and auto.draft_count(req, 1) == 0

@@ -150,6 +150,98 @@ def _fast_down(old: float | None, seconds: float) -> float:
     return min(seconds, old + 0.1 * (seconds - old))
 
 
+class _CostModel:
+    """The cost model (module doc) that prices k before whole steps are measured: per batch bucket a decayed
+    least-squares line of a speculative step's time in the tokens fed beyond one per request, the draft step's time
+    and the plain step's time (`AutoSpec.fixed` ratios replace it in tests)."""
+
+    def __init__(self, decay: float, prior_c: float, prior_v: float):
+        self.decay, self.prior_c, self.prior_v = decay, prior_c, prior_v
+        self.steps: dict[int, _Line] = {}
+        self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
+        self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (fast down, slow up)
+
+    def record_step(self, batch: int, extra_tokens: int, seconds: float) -> None:
+        """A decode-only model step of `batch` requests that fed `extra_tokens` beyond one each."""
+        self.steps.setdefault(bucket(batch), _Line(self.decay)).add(extra_tokens, seconds)
+
+    def record_drafts(self, batch: int, draft_steps: int, seconds: float) -> None:
+        """A proposal (head cells, then chained draft steps) of `draft_steps` drafts for `batch` requests."""
+        b, per = bucket(batch), seconds / max(1, draft_steps)
+        self.draft[b] = per if b not in self.draft else self.draft[b] + 0.2 * (per - self.draft[b])
+
+    def measured(self, b: int) -> bool:
+        line = self.steps.get(b)
+        return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
+
+    def costs(self, batch: int) -> tuple[float, float]:
+        """(c, v) at this batch size: measured where the bucket has them, else the priors. The plain step's time
+        t0 is the measured plain step's when there is one (the speculative step's fixed overhead then counts in
+        the per-token cost m, averaged over the tokens fed), else the line's intercept."""
+        b = bucket(batch)
+        line = self.steps.get(b)
+        mean = line.mean() if line is not None else None
+        if mean is None or b not in self.draft:
+            return self.prior_c, self.prior_v * batch
+        x, y = mean
+        fit = line.fit()
+        if b in self.plain:
+            t0 = self.plain[b]
+            m = max(fit[1] if fit else 0.0, (y - t0) / x if x > 0 else 0.0)
+        elif fit is not None:
+            t0, m = fit
+        else:  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
+            t0 = y / (1.0 + self.prior_v * x)
+            return self.draft[b] / t0, self.prior_v * batch
+        return self.draft[b] / t0, batch * m / t0
+
+
+class _WholeSteps:
+    """Whole decode-only engine steps (model step, sampling or verification, rollback, proposal), what prices k
+    against plain decoding (`AutoSpec.gains`): per (bucket, drafts per entry) their seconds and emitted tokens, per
+    bucket plain decoding's seconds per token (fast down, slow up). `clock` counts decode-only steps; a k's
+    measurement prices it while `fresh`."""
+
+    def __init__(self, min_samples: int, forget: int):
+        self.min_samples, self.forget = min_samples, forget
+        self.steps: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> (seconds, tokens) per step
+        self.plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps
+        self.clock = 0
+
+    def record(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+        b = bucket(batch)
+        if k == 0:
+            self.plain[b] = _fast_down(self.plain.get(b), seconds / batch)  # one token per entry
+        else:
+            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
+
+    def fresh(self, low: _Times | None) -> bool:
+        """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
+        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
+        return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
+
+    def gains(self, b: int, k_max: int) -> dict[int, float]:
+        """{k: plain seconds per token / k's seconds per token} for the fresh k of bucket `b`."""
+        plain = self.plain.get(b)
+        return {k: plain / self.steps[b, k].per_token() for k in range(1, k_max + 1)
+                if plain is not None and self.fresh(self.steps.get((b, k)))}  # fmt: skip
+
+    def any_fresh(self, b: int) -> bool:
+        return b in self.plain and any(self.fresh(m) for (wb, _), m in self.steps.items() if wb == b)
+
+    def borrowed(self, b: int, rates) -> float | None:
+        """The per-draft cost (in plain steps) measured at the bucket nearest `b` that has a fresh k (its shortest),
+        or None: a bucket a batch enters late (requests finishing at different steps) starts from it, not from the
+        priors (they had the tail of a batch-16 run drafting k = 2-3 where k = 1 barely paid)."""
+        near = sorted((abs(math.log2(wb / b)), wb, k) for (wb, k), m in self.steps.items()
+                      if wb != b and wb in self.plain and self.fresh(m))  # fmt: skip
+        if not near:
+            return None
+        _, wb, k = near[0]
+        gain = self.plain[wb] / self.steps[wb, k].per_token()
+        return (expected_tokens(rates, k) / gain - 1.0) / k
+
+
 class AutoSpec:
     """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
 
@@ -188,21 +280,14 @@ class AutoSpec:
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
         self.probes = 0  # one-draft probes of requests that had stepped aside
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
-        self.steps: dict[int, _Line] = {}
-        self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
+        self.model = _CostModel(decay, prior_c, prior_v)
         self.batch = 1
         self.batch_rates: list[float] = []  # the running requests' mean acceptance per position (`before_step`)
-        self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (exponential average)
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
-        # whole engine steps (model step, sampling or verification, rollback, proposal), decode-only:
-        self.whole: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> (seconds, tokens) per step
-        self.clock = 0  # decode-only steps recorded
+        self.wholes = _WholeSteps(min_samples, forget)  # whole decode-only engine steps
         self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step
-        self.forget = forget
-        self.whole_plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps (fast down, slow up)
-        self.min_samples = min_samples
         self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
 
     # ---- acceptance --------------------------------------------------------------------------------------
@@ -217,15 +302,6 @@ class AutoSpec:
         self.rates[req] = r
 
     # ---- costs -------------------------------------------------------------------------------------------
-    def record_step(self, batch: int, extra_tokens: int, seconds: float) -> None:
-        """A decode-only model step of `batch` requests that fed `extra_tokens` beyond one each."""
-        self.steps.setdefault(bucket(batch), _Line(self.decay)).add(extra_tokens, seconds)
-
-    def record_drafts(self, batch: int, draft_steps: int, seconds: float) -> None:
-        """A proposal (head cells, then chained draft steps) of `draft_steps` drafts for `batch` requests."""
-        b, per = bucket(batch), seconds / max(1, draft_steps)
-        self.draft[b] = per if b not in self.draft else self.draft[b] + 0.2 * (per - self.draft[b])
-
     def record_plan(self, plan, seconds: float) -> None:
         """A model step over `plan` ((request, known tokens fed) entries, drafts not yet verified): recorded when
         every entry decodes (no prompt chunk): a plain step's time (no request speculating), or a speculative
@@ -233,7 +309,7 @@ class AutoSpec:
         self._pending = None
         if not all(req.num_cached >= len(req.prompt_ids) for req, _ in plan):
             return
-        self.clock += 1
+        self.wholes.clock += 1
         b = bucket(len(plan))
         # the step's k: drafts per entry, rounded, an entry without drafts counting its request's latest choice
         # (a replay after rejections, or a head restarting, is a cost of drafting k)
@@ -243,12 +319,12 @@ class AutoSpec:
             reqs = [req for req, _ in plan]
             self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
         if not any(req.spec_k for req, _ in plan):
-            self.plain[b] = _fast_down(self.plain.get(b), seconds)
+            self.model.plain[b] = _fast_down(self.model.plain.get(b), seconds)
             self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
-        self.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
+        self.model.record_step(len(plan), sum(n + len(req.drafts) for req, n in plan) - len(plan), seconds)
 
     def record_step_end(self, seconds: float) -> None:
         """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
@@ -260,11 +336,7 @@ class AutoSpec:
     def record_whole(self, batch: int, k: int, seconds: float, tokens: float) -> None:
         """A whole decode-only step of `batch` entries in mode `k` (drafts per entry, rounded; 0: a plain step) that
         emitted `tokens`: what prices k against plain decoding (`gains`)."""
-        b = bucket(batch)
-        if k == 0:
-            self.whole_plain[b] = _fast_down(self.whole_plain.get(b), seconds / batch)  # one token per entry
-        else:
-            self.whole.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
+        self.wholes.record(batch, k, seconds, tokens)
 
     def gains(self, batch: int, rates=None) -> list[float]:
         """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
@@ -274,18 +346,15 @@ class AutoSpec:
         cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
         E(k) / gain(k) plain steps)."""
         rates = self.rate if rates is None else rates
-        c, v = self.costs(batch)
+        c, v = self.fixed if self.fixed is not None else self.model.costs(batch)
         if self.fixed is None:  # the model no dearer than the priors: a line fit to a few steps in a burst of load
             c, v = min(c + v, self.prior_c + self.prior_v * batch), 0.0  # would keep drafting off from the start
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
-        b = bucket(batch)
-        plain = self.whole_plain.get(b)
         if self.fixed is not None:
             return model
-        measured = {k: plain / self.whole[b, k].per_token() for k in range(1, self.k_max + 1)
-                    if plain is not None and self._fresh(self.whole.get((b, k)))}  # fmt: skip
+        measured = self.wholes.gains(bucket(batch), self.k_max)
         if not measured:  # nothing here yet: no cheaper a draft than the nearest measured bucket's
-            per = self._borrowed(b, rates)
+            per = self.wholes.borrowed(bucket(batch), rates)
             return model if per is None else [expected_tokens(rates, k) / (1.0 + k * max(c + v, per))
                                               for k in range(self.k_max + 1)]  # fmt: skip
         out = [1.0]
@@ -298,61 +367,17 @@ class AutoSpec:
             out.append(expected_tokens(rates, k) / (1.0 + k * max(c + v, per)))
         return out
 
-    def _borrowed(self, b: int, rates) -> float | None:
-        """The per-draft cost (in plain steps) measured at the bucket nearest `b` that has a fresh k (its shortest),
-        or None: a bucket a batch enters late (requests finishing at different steps) starts from it, not from the
-        priors (they had the tail of a batch-16 run drafting k = 2-3 where k = 1 barely paid)."""
-        near = sorted((abs(math.log2(wb / b)), wb, k) for (wb, k), m in self.whole.items()
-                      if wb != b and wb in self.whole_plain and self._fresh(m))  # fmt: skip
-        if not near:
-            return None
-        _, wb, k = near[0]
-        gain = self.whole_plain[wb] / self.whole[wb, k].per_token()
-        return (expected_tokens(rates, k) / gain - 1.0) / k
-
-    def _fresh(self, low: _Times | None) -> bool:
-        """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
-        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
-        return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
-
     def record_proposal(self, batch: int, cells, seconds: float) -> None:
         """A proposal after a step of `batch` entries (`cells`: (request, entry) pairs): as many draft steps as
         its longest draft (the head's cell step is the first)."""
         longest = max((len(req.drafts) for req, _ in cells), default=0)
         if longest:  # a proposal of head cells alone (a prompt chunk's) says little of a draft step's cost
-            self.record_drafts(batch, longest, seconds)
+            self.model.record_drafts(batch, longest, seconds)
 
     def measured(self, batch: int) -> bool:
         """Whether `gains(batch)` come from measurements (or `fixed`), not the priors."""
-        b, line = bucket(batch), self.steps.get(bucket(batch))
-        if self.fixed is not None:
-            return True
-        if b in self.whole_plain and any(self._fresh(m) for (wb, _), m in self.whole.items() if wb == b):
-            return True
-        return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
-
-    def costs(self, batch: int) -> tuple[float, float]:
-        """(c, v) at this batch size: measured where the bucket has them, else the priors. The plain step's time
-        t0 is the measured plain step's when there is one (the speculative step's fixed overhead then counts in
-        the per-token cost m, averaged over the tokens fed), else the line's intercept."""
-        if self.fixed is not None:
-            return self.fixed
         b = bucket(batch)
-        line = self.steps.get(b)
-        mean = line.mean() if line is not None else None
-        if mean is None or b not in self.draft:
-            return self.prior_c, self.prior_v * batch
-        x, y = mean
-        fit = line.fit()
-        if b in self.plain:
-            t0 = self.plain[b]
-            m = max(fit[1] if fit else 0.0, (y - t0) / x if x > 0 else 0.0)
-        elif fit is not None:
-            t0, m = fit
-        else:  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
-            t0 = y / (1.0 + self.prior_v * x)
-            return self.draft[b] / t0, self.prior_v * batch
-        return self.draft[b] / t0, batch * m / t0
+        return self.fixed is not None or self.wholes.any_fresh(b) or self.model.measured(b)
 
     # ---- the choice ----------------------------------------------------------------------------------------
     def draft_count(self, req, cap: int) -> int:
@@ -365,7 +390,7 @@ class AutoSpec:
         # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
         # entries took ~1.7x the time of one of 1-draft entries on the deep config).
         rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
-        key = (self.clock, self.batch, tuple(rates))
+        key = (self.wholes.clock, self.batch, tuple(rates))
         if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
             self._gains = (key, self.gains(self.batch, rates))
         k = min(cap, pick_k(self._gains[1], self.min_gain))
