@@ -212,3 +212,32 @@ def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
     assert not any("bmm" in op for op in ops), ops
     assert any("argsort" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [4, 9], ids=["1.3_per_expert", "3_per_expert"])
+def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(tokens):
+    """Traced by dynamo, a bf16 static step's experts are `_reduced` (fp32 sums over each assignment's expert rows,
+    no batched GEMM) below `SORTED_ASSIGNMENTS` assignments per expert, where they beat oneDNN's batched GEMMs over
+    every expert, and `_dense` (bmm) from there on, where they lose (`Experts._sums_pay`). Both against the fp64
+    loop on the same bf16 values: bf16 rounding of the products' inputs and outputs, 2e-2 of the largest output."""
+    torch.manual_seed(5)
+    moe = SparseMoE(_cfg(E=6, k=2)).bfloat16()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(tokens, 8, dtype=torch.bfloat16)  # 8 or 18 assignments over 6 experts: not the gather path
+    w, e = moe.gate(x)
+    ref = _loop_reference(moe.experts.double(), x.double(), e, w.double())
+    moe.experts.bfloat16()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        step = torch.compile(lambda *a: moe.experts(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
+        got = step(x, e, w)
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    assert any("bmm" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))

@@ -2,9 +2,9 @@
 
 Serving's static decode step (`model.state.make_decode_step`) cannot read the grouped slab's capacity
 (`int(counts.max())`) on the host, so beyond the gather path it runs every expert on every token (`Experts._dense`;
-`_reduced` in fp32 inside a compiled CPU graph, see `Experts.forward` on a static step): at decode sizes (16 tokens x
-top-4 of 16 experts, ~99% of experts hit) `_dense` streams the same weights as the grouped path, with up to E/k
-times its FLOPs, and measured the same time (2.2 vs 2.1 ms per layer at 1 thread).
+`_reduced` inside a compiled CPU graph in fp32, and in bf16 at few tokens: `Experts.forward` on a static step): at
+decode sizes (16 tokens x top-4 of 16 experts, ~99% of experts hit) `_dense` streams the same weights as the
+grouped path, with up to E/k times its FLOPs, and measured the same time (2.2 vs 2.1 ms per layer at 1 thread).
 
 Legend: T tokens, D hidden, E experts, k experts per token, I expert width, A = T*k assignments.
 """
@@ -75,8 +75,8 @@ class Experts(nn.Module):
 
         `step` (`model.state.Step`): a serving step uses serving GEMM layouts (`step.fused`); on a static step
         (`step.static`, `model.state.make_decode_step`) no shape may depend on the routing, so more assignments than
-        the gather path takes run every expert (`_dense`), or, in fp32 inside a compiled graph on CPU, each
-        assignment's expert read in place (`_reduced`).
+        the gather path takes run every expert (`_dense`), or, inside a compiled graph on CPU, each assignment's
+        expert read in place (`_reduced`: fp32, and bf16 / fp16 below 2 assignments per expert, `_sums_pay`).
         """
         fused, static = step.fused, step.static
         T, k = experts.shape
@@ -86,11 +86,20 @@ class Experts(nn.Module):
         if flat_e.numel() * 2 < self.num_experts or x.device.type == "meta" or small:
             return self._gathered(x, flat_e, weights, fused)
         # dynamo tracing, not torch.compiler.is_compiling() (process-wide during any compile: see fused._compiling)
-        if static and x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_dynamo_compiling():
+        if static and x.device.type == "cpu" and torch.compiler.is_dynamo_compiling() and self._sums_pay(x, flat_e):
             return self._reduced(x, flat_e, weights)
         if static:
             return self._dense(x, experts, weights)
         return self._grouped(x, flat_e, weights, fused)
+
+    def _sums_pay(self, x: torch.Tensor, flat_e: torch.Tensor) -> bool:
+        """Whether a compiled CPU static step's experts run as `_reduced` (else `_dense`): always in fp32; in bf16 /
+        fp16 below `SORTED_ASSIGNMENTS` assignments per expert. Measured on the bench config's compiled bf16 step
+        (bound, 1 thread, one process, `benchmarks/RESULTS.md`): batch 4 (1 per expert) 4.9 against 8.9 ms with
+        `_dense`'s oneDNN batched GEMMs over every expert; batch 16 (4 per expert) 26.8 against 12.9 ms."""
+        if x.dtype == torch.float32:
+            return True
+        return x.dtype in (torch.bfloat16, torch.float16) and flat_e.numel() < SORTED_ASSIGNMENTS * self.num_experts
 
     def _small(self, assignments: int) -> bool:
         """Whether gathering `assignments` experts' weights copies at most `GATHER_BYTES` (see there)."""
@@ -103,9 +112,8 @@ class Experts(nn.Module):
         Written for inductor (fp32, CPU, inside a compiled static step): it fuses the weight gather into the
         reduction, reading each assignment's expert rows where they lie, with neither a copy nor the every-expert
         FLOPs of `_dense`. Measured at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread: 0.37 ms
-        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM). bf16 keeps `_dense` (oneDNN's bf16 batched
-        GEMMs): this form in bf16 (fp32 sums) was 0.68 against 0.87 ms per layer alone but the same whole compiled
-        step (0.996x, `benchmarks/RESULTS.md`). Run eagerly this would materialise [A, 2I, D] products.
+        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM). bf16 / fp16 (fp32 sums) only below 2
+        assignments per expert (`_sums_pay`). Run eagerly this would materialise [A, 2I, D] products.
         """
         return reduced_experts(x, flat_e, weights, self.gate_up_proj, self.down_proj).to(x.dtype)
 
