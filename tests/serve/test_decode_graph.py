@@ -216,6 +216,23 @@ def test_a_replaced_parameter_goes_through_the_guards_then_binds_again(model):
     assert graph.compiles == 1
 
 
+def test_a_step_that_cannot_be_bound_keeps_going_through_dynamo(model, monkeypatch):
+    """Binding reads dynamo's cache entries through private APIs: when they fail, the bucket stays on dynamo's
+    path (not bound), each step runs once and equals the eager step."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    def broken(code):
+        raise AttributeError("no cache entries here")
+
+    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", broken)
+    graph, step_both = _graph_and_eager(model, seed=7)
+    with torch.inference_mode():
+        for _ in range(3):
+            got, want = step_both()
+            torch.testing.assert_close(got, want, **TOL)
+    assert graph.bound() == [] and graph.compiles == 1
+
+
 def test_a_parameter_object_replaced_outside_the_fused_groups_is_seen(model):
     """A norm's weight replaced by a new parameter object (other values, same layout): not a fused group's member,
     so only the layout check's re-read of the modules' slots (after any registration) can see it; the next step

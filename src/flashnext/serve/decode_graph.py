@@ -437,15 +437,20 @@ class _BoundStep:
 
     @staticmethod
     def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
-        """(the bound step or None, the logits of this step or None when it did not run)."""
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
+        """(the bound step or None, the logits of this step or None when it did not run). Dynamo's cache entries
+        are read through private APIs: should they change, the bucket stays on dynamo's path (logged once)."""
         here = {"self": owner, "ids": ids, "slots": slots, "cached": cached}
-        entry = next((e for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(here)), None)
-        names = [] if entry is None else [n for n in entry.code.co_names if n.startswith("__compiled_fn")]
-        if len(names) != 1 or _stores(entry.code):
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            entry = next((e for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(here)), None)
+            names = [] if entry is None else [n for n in entry.code.co_names if n.startswith("__compiled_fn")]
+            if len(names) != 1 or _stores(entry.code):
+                return None, None
+            graph, seen = globals()[names[0]], []
+        except Exception:  # before the step ran: dynamo's path runs it
+            log.warning("cannot bind the compiled decode step; it keeps going through dynamo", exc_info=True)
             return None, None
-        graph, seen = globals()[names[0]], []
 
         def record(*args):
             seen.append((list(args), graph(*args)))
