@@ -183,6 +183,22 @@ def test_fp32_prefill_slab_keeps_the_row_major_products(monkeypatch):
     torch.testing.assert_close(out, _loop_reference(ex, x, e, w), rtol=1e-5, atol=1e-5)
 
 
+def _traced_static_step(ex, x, e, w):
+    """`ex` on a static decode step traced by dynamo (what the CPU decode graph compiles), run as traced: (output,
+    the ops of the traced graph)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        step = torch.compile(lambda *a: ex(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
+        got = step(x, e, w)
+    return got, {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+
+
 @pytest.mark.parametrize("tokens", [9, 4], ids=["3_per_expert", "1.3_per_expert"])
 def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
     """Traced by dynamo (what the CPU decode graph compiles), an fp32 static step's experts are `_reduced`: sums
@@ -197,18 +213,7 @@ def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
     x = torch.randn(tokens, 8, dtype=torch.float64)  # 18 or 8 assignments over 6 experts: not the gather path
     w, e = moe.gate(x)
     ref = _loop_reference(moe.experts, x.float().double(), e, w.float().double())
-    ex = moe.experts.float()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        step = torch.compile(lambda *a: ex(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
-        got = step(x.float(), e, w.float())
-    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    got, ops = _traced_static_step(moe.experts.float(), x.float(), e, w.float())
     assert not any("bmm" in op for op in ops), ops
     assert any("argsort" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -227,17 +232,6 @@ def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(to
     x = torch.randn(tokens, 8, dtype=torch.bfloat16)  # 8 or 18 assignments over 6 experts: not the gather path
     w, e = moe.gate(x)
     ref = _loop_reference(moe.experts.double(), x.double(), e, w.double())
-    moe.experts.bfloat16()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        step = torch.compile(lambda *a: moe.experts(*a, Step(DECODE, static=True)), backend=backend, fullgraph=True)
-        got = step(x, e, w)
-    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    got, ops = _traced_static_step(moe.experts.bfloat16(), x, e, w)
     assert any("bmm" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
