@@ -226,11 +226,11 @@ class Watch:
 
     def __init__(self, found: list[Group]):
         self.found = found
-        self._slots = [(m._parameters, name) for g in found for m in g.members for name in ("weight", "bias")]
+        self.slots = [(m._parameters, name) for g in found for m in g.members for name in ("weight", "bias")]
         self._seen: tuple[list, tuple] | None = None
 
     def _now(self) -> tuple[list, tuple]:
-        params = [d.get(n) for d, n in self._slots]
+        params = [d.get(n) for d, n in self.slots]
         return params, _stamp(params)
 
     def refresh(self) -> int:

@@ -150,8 +150,7 @@ class DecodeGraph:
         self.cuda = self.device.type == "cuda"
         self.ready: set[int] = set()  # buckets whose graph is compiled (captured) and has run once
         self.background: threading.Thread | None = None  # the thread compiling buckets (`compile_in_background`)
-        members = [(m._parameters, n) for g in fused.groups(model) for m in g.members for n in ("weight", "bias")]
-        members = [(d, n) for d, n in members if d.get(n) is not None]
+        members = [(d, n) for d, n in self.watch.slots if d.get(n) is not None]  # the fused groups' parameters
         self.layout = _Layout(model, members)  # every parameter and buffer, checked before each step (module doc)
         self.layout.check()  # the layout graphs are compiled (captured) in, also by `warmup` and the background
         self._captured: dict[int, _CapturedStep] = {}
@@ -438,7 +437,7 @@ class _BoundStep:
     @staticmethod
     def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
         """(the bound step or None, the logits of this step or None when it did not run). Dynamo's cache entries
-        are read through private APIs: should they change, the bucket stays on dynamo's path (logged once)."""
+        are read through private APIs: should they change, the bucket stays on dynamo's path (logged once a bucket)."""
         here = {"self": owner, "ids": ids, "slots": slots, "cached": cached}
         try:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
