@@ -219,18 +219,22 @@ class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
         self.dtypes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("mm", "addmm", "linear", "matmul"):
-            self.dtypes.append(args[0].dtype if func.overloadpacket.__name__ != "addmm" else args[1].dtype)
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "linear", "matmul", "bmm", "baddbmm"):
+            self.dtypes.append(args[1].dtype if name in ("addmm", "baddbmm") else args[0].dtype)
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_cpu", "avx2_cpu"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_small_bf16_linears_use_their_fp32_copy(rows):
+def test_small_bf16_linears_use_their_fp32_copy(rows, native, monkeypatch):
     """bf16 serving on CPU: a small weight (a group's, or a single nn.Linear served by `apply_linear`) multiplies
-    few rows through its fp32 copy (`fused.FP32_COPY_MAX`), more rows in bf16; both equal the plain bf16 module
+    few rows through its fp32 copy (`fused.FP32_COPY_MAX`), more rows in bf16 on a CPU with bf16 instructions,
+    through the copy at any row count on one without (`fused.NATIVE_GEMM`); all equal the plain bf16 module
     call within one bf16 rounding at the outputs' scale (~1 here: rtol = atol = 2**-7, one bf16 ulp; the kernels
     accumulate in another order and the bf16 ones may round partial sums, which can flip a rounding, seen up to
     2**-8), and follow an in-place weight update."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
     torch.manual_seed(5)
     model = nn.ModuleDict(
         {"single": nn.Linear(256, 256), "a": nn.Linear(256, 300, bias=False), "b": nn.Linear(256, 200)}
@@ -250,13 +254,46 @@ def test_small_bf16_linears_use_their_fp32_copy(rows):
                 assert got.dtype == torch.bfloat16
                 torch.testing.assert_close(got, m(x), rtol=2**-7, atol=2**-7)
 
-    fp32 = rows * 256 * 256 <= fused.FP32_COPY_MAX
-    assert fp32 == (rows * 500 * 256 <= fused.FP32_COPY_MAX)  # the two weights take the same side here
+    fp32 = rows * 256 * 256 <= fused.FP32_COPY_MAX or not native
+    assert (rows * 256 * 256 <= fused.FP32_COPY_MAX) == (rows * 500 * 256 <= fused.FP32_COPY_MAX)  # same side here
     check(fp32)
     with torch.no_grad():
         model["single"].weight.mul_(-2)  # in place (an optimizer step, a weight sync)
         model["b"].bias.add_(1)
     check(fp32)
+
+
+@pytest.mark.parametrize("T", [1, 40], ids=["gathered", "grouped"])
+def test_bf16_serving_products_run_in_fp32_on_a_cpu_without_bf16_instructions(T, monkeypatch):
+    """Where the CPU has no bf16 instructions (`fused.NATIVE_GEMM`: oneDNN emulates them there, ~8x slower than
+    fp32), every serving product of a bf16 MoE layer runs in fp32: the fused router/shared GEMM (its fp32 copy),
+    the shared expert's down projection, the experts (gathered or grouped slab) and a weight too large for a copy
+    (upcast per call); with the instructions, the large ones stay bf16. Both equal the fp64 computation from the
+    same bf16 weights within bf16 rounding at the outputs' scale (atol = 2**-6 x the largest output, ~2 bf16 ulps
+    of it: each product's output and the intermediates (routing weights, the shared expert's hidden) round to
+    bf16; measured up to 2**-7.6 over 10 seeds), with the same experts chosen."""
+    torch.manual_seed(6)
+    moe = SparseMoE(_cfg(E=6, k=2)).bfloat16()
+    big = nn.Linear(8, 1 << 16, bias=False).bfloat16()  # 2^19 elements: no fp32 copy
+    for p in [*moe.parameters(), big.weight]:
+        torch.nn.init.normal_(p, std=0.5)
+    fused.prepare(moe)
+    x = torch.randn(T, 8).bfloat16()
+    with torch.no_grad():
+        ref, ref_experts = moe.double()(x.double(), step=Step(DECODE))
+        ref_big = F.linear(x.double(), big.weight.double())
+    moe.bfloat16()
+    fused.prepare(moe)
+    for native in (False, True):
+        monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+        with torch.no_grad(), _MatmulDtypes() as seen:
+            out, experts = moe(x, step=Step(DECODE))
+            out_big = fused.linear(x, big.weight, fused=True)
+        assert out.dtype == out_big.dtype == torch.bfloat16
+        assert (torch.bfloat16 in seen.dtypes) == native, seen.dtypes
+        assert torch.equal(experts, ref_experts)
+        for got, want in ((out, ref), (out_big, ref_big)):
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-6 * float(want.abs().max()))
 
 
 def test_fp32_copies_only_for_small_low_precision_cpu_weights():

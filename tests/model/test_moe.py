@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flashnext.config import TextConfig
+from flashnext.model import fused
 from flashnext.model.moe import SORTED_ASSIGNMENTS, Experts, SparseMoE
 from flashnext.model.state import DECODE, Step
 
@@ -219,12 +220,16 @@ def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_cpu", "avx2_cpu"])
 @pytest.mark.parametrize("tokens", [4, 9], ids=["1.3_per_expert", "3_per_expert"])
-def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(tokens):
+def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(tokens, native, monkeypatch):
     """Traced by dynamo, a bf16 static step's experts are `_reduced` (fp32 sums over each assignment's expert rows,
     no batched GEMM) below `SORTED_ASSIGNMENTS` assignments per expert, where they beat oneDNN's batched GEMMs over
-    every expert, and `_dense` (bmm) from there on, where they lose (`Experts._sums_pay`). Both against the fp64
-    loop on the same bf16 values: bf16 rounding of the products' inputs and outputs, 2e-2 of the largest output."""
+    every expert, and `_dense` (bmm) from there on, where they lose (`Experts._sums_pay`); on a CPU without bf16
+    instructions (`fused.NATIVE_GEMM`), where bf16 GEMMs are emulated, always `_reduced`, as fp32. Both against
+    the fp64 loop on the same bf16 values: bf16 rounding of the products' inputs and outputs, 2e-2 of the largest
+    output."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
     torch.manual_seed(5)
     moe = SparseMoE(_cfg(E=6, k=2)).bfloat16()
     for p in moe.parameters():
@@ -233,5 +238,5 @@ def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(to
     w, e = moe.gate(x)
     ref = _loop_reference(moe.experts.double(), x.double(), e, w.double())
     got, ops = _traced_static_step(moe.experts.bfloat16(), x, e, w)
-    assert any("bmm" in op for op in ops) == (2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
+    assert any("bmm" in op for op in ops) == (native and 2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))

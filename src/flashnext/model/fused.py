@@ -27,6 +27,13 @@ one rounding at the end), without oneDNN's fixed per-call cost, which dominated 
 products (measured at 1 thread, CPU time, a 1 x 256 input: a 256 x 256 weight 23 us bf16 against 6.9 us fp32;
 784 x 256: 34 against 21 us; at 4 rows 784 x 256 bf16 is already faster, hence the bound on rows x elements).
 
+On a CPU without bf16 (fp16) instructions (`NATIVE_GEMM`: no AVX512-BF16 / AMX, e.g. an AVX2-only AMD EPYC), the
+library GEMMs in those dtypes emulate them at a fraction of fp32's rate (oneDNN there, 1 thread: a 32 x 256 by
+256 x 1024 product 2.5 ms in bf16 against 0.27 ms in fp32; batched expert GEMMs 8x). Serving products of such
+weights then run in fp32 (`upcasts`): through the fp32 copy at any row count where there is one, else with the
+weight upcast per call (`linear`: 0.31 ms there), one rounding to the input's dtype at the end as before. The
+compiled reductions are unaffected (they upcast as they read).
+
 Legend: M rows of input, K input features, N output features (summed over the group).
 """
 
@@ -50,6 +57,9 @@ def linear(
     `contiguous=False` may return that transposed view as is (for a consumer that reduces rows anyway, e.g. the
     LM head's logits going to argmax/log-softmax: the copy of a 16 x 16384 result cost more than the argmax).
     """
+    if fused and upcasts(x) and not reduces(x):
+        b = None if bias is None else bias.float()
+        return linear(x.float(), weight.float(), b, fused=True, contiguous=contiguous).to(x.dtype)
     if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
         return F.linear(x, weight, bias)
     if reduces(x):
@@ -64,6 +74,24 @@ def reduces(x: torch.Tensor) -> bool:
     """Whether a product of `x` [M, K] runs as `reduced_linear`: a CPU input of at most `REDUCED_ROWS` rows inside
     a compiled graph."""
     return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= REDUCED_ROWS and _compiling()
+
+
+def _native(*probes: str) -> bool:
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+# Whether this CPU has instructions for products in a dtype (bf16: AVX512-BF16 or AMX; fp16: AMX-FP16), read once
+# from torch's CPU feature probes; dtypes not listed are native. A constant so compiled graphs read it as one.
+NATIVE_GEMM = {
+    torch.bfloat16: _native("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.float16: _native("_is_amx_fp16_supported"),
+}
+
+
+def upcasts(x: torch.Tensor) -> bool:
+    """Whether a serving product of the CPU input `x` runs in fp32 because the CPU lacks its dtype's instructions
+    (`NATIVE_GEMM`, see the module doc)."""
+    return x.device.type == "cpu" and not NATIVE_GEMM.get(x.dtype, True)
 
 
 def reduced_linear(
@@ -140,7 +168,12 @@ class Group:
         if not _compiling():
             self.refresh()
         fp32 = self._fp32
-        if fp32 is not None and not reduces(x) and x.dim() == 2 and x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX:
+        if (
+            fp32 is not None
+            and x.dim() == 2
+            and not reduces(x)
+            and (upcasts(x) or x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX)
+        ):
             y = linear(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)
             return y.contiguous() if contiguous else y
         _, _, weight, bias, _ = self._built

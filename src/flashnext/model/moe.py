@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.config import TextConfig
-from flashnext.model.fused import Group, apply_linear
+from flashnext.model.fused import Group, apply_linear, upcasts
 from flashnext.model.state import TRAIN_STEP, Step
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
@@ -97,7 +97,7 @@ class Experts(nn.Module):
         fp16 below `SORTED_ASSIGNMENTS` assignments per expert. Measured on the bench config's compiled bf16 step
         (bound, 1 thread, one process, `benchmarks/RESULTS.md`): batch 4 (1 per expert) 4.9 against 8.9 ms with
         `_dense`'s oneDNN batched GEMMs over every expert; batch 16 (4 per expert) 26.8 against 12.9 ms."""
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 or upcasts(x):  # a CPU without bf16 / fp16 instructions sums in fp32 as well
             return True
         return x.dtype in (torch.bfloat16, torch.float16) and flat_e.numel() < SORTED_ASSIGNMENTS * self.num_experts
 
@@ -150,8 +150,10 @@ class Experts(nn.Module):
         # fp32 slabs keep the row-major products: MKL's fp32 batched GEMM in the transposed form (`_swiglu`) was
         # 1.3-2.7x slower at 3-15 rows per expert (a 32-token prefill: [16, 256, 256] x [16, 256, 13] 1.0-1.3 ms
         # against 0.45-0.49 ms row-major, 1 thread); bf16 (oneDNN) keeps the transposed form, equal or faster there.
-        skinny = fused and x.dtype != torch.float32
-        h = self._swiglu(slab.view(E, cap, -1), self.gate_up_proj, self.down_proj, skinny).flatten(0, 1)  # [E*cap, D]
+        gate_up, down, skinny = self.gate_up_proj, self.down_proj, fused and x.dtype != torch.float32
+        if fused and upcasts(x):  # no bf16 / fp16 instructions on this CPU (`fused.upcasts`): fp32, row-major
+            slab, gate_up, down, skinny = slab.float(), gate_up.float(), down.float(), False
+        h = self._swiglu(slab.view(E, cap, -1), gate_up, down, skinny).flatten(0, 1).to(x.dtype)  # [E*cap, D]
         row = torch.empty_like(dest).index_copy_(0, order, dest)  # slab row of every assignment, routing order
         out = h.index_select(0, row).view(T, k, -1) * weights.unsqueeze(-1)
         return out.sum(1)
@@ -177,6 +179,8 @@ class Experts(nn.Module):
         (`W @ x.T`, as `fused.linear`): on this CPU MKL's batched GEMM with 4-10 rows per expert was ~1.2-1.5x
         faster that way; the down product keeps the row-major form (its transposed form was slower).
         """
+        if fused and upcasts(x):  # no bf16 / fp16 instructions on this CPU (`fused.upcasts`): the products in fp32
+            return Experts._swiglu(x.float(), gate_up.float(), down.float(), fused).to(x.dtype)
         if fused and x.device.type == "cpu" and x.shape[1] <= SKINNY_EXPERT_ROWS:
             gate, up = torch.bmm(gate_up, x.transpose(1, 2)).chunk(2, dim=1)  # [G, I, n] each
             return torch.bmm((F.silu(gate) * up).transpose(1, 2), down.transpose(1, 2))
