@@ -220,7 +220,8 @@ class _Req:
 
     def __init__(self, num_cached: int):
         self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
-        self.mtp_cells, self.resume_residual, self.prompt_ids, self.output_ids = num_cached, None, [1], []
+        self.mtp_cells, self.resume_residual = num_cached, None
+        self.prompt_ids, self.output_ids = [1] * num_cached, [5]  # one known token to feed: a plain decode's
         self.params = SamplingParams()
 
 

@@ -124,7 +124,8 @@ class _Line:
 
 class _Times:
     """Whole steps of one (bucket, k): the low envelope of their times (`_fast_down`), the latest `keep` (seconds,
-    tokens emitted) samples, the sample count and the decode step (`AutoSpec`'s clock) of the latest.
+    tokens emitted, tokens had every draft been accepted) samples, the sample count and the decode step
+    (`AutoSpec`'s clock) of the latest.
     `per_token()` is seconds per emitted token over the kept samples within `burst` times the envelope: a step's own
     variation (a replay after a rejection) counts, a burst of load on a shared machine (2-3x a few steps in a row)
     does not."""
@@ -133,12 +134,13 @@ class _Times:
         self.low, self.n, self.last, self.burst = None, 0, 0, burst
         self.recent: collections.deque = collections.deque(maxlen=keep)
 
-    def add(self, seconds: float, tokens: float, clock: int) -> None:
+    def add(self, seconds: float, tokens: float, clock: int, most: float = 0.0) -> None:
         self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
-        self.recent.append((seconds, tokens))
+        self.recent.append((seconds, tokens, max(most, tokens)))
 
-    def per_token(self) -> float:
-        kept = [(s, t) for s, t in self.recent if s <= self.burst * self.low]
+    def per_token(self, certain: bool = False) -> float:
+        """Seconds per emitted token (`certain`: per token had every draft been accepted)."""
+        kept = [(s, m if certain else t) for s, t, m in self.recent if s <= self.burst * self.low]
         return sum(s for s, _ in kept) / max(1e-9, sum(t for _, t in kept))
 
 
@@ -213,17 +215,18 @@ class _WholeSteps:
         if k == 0:
             self.plain[b] = _fast_down(self.plain.get(b), seconds / batch)  # one token per entry
         else:
-            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
+            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock, batch * (k + 1))
 
     def fresh(self, low: _Times | None) -> bool:
         """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
         (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
         return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
 
-    def gains(self, b: int, k_max: int) -> dict[int, float]:
-        """{k: plain seconds per token / k's seconds per token} for the fresh k of bucket `b`."""
+    def gains(self, b: int, k_max: int, certain: bool = False) -> dict[int, float]:
+        """{k: plain seconds per token / k's seconds per token} for the fresh k of bucket `b` (`certain`: had every
+        draft of its steps been accepted)."""
         plain = self.plain.get(b)
-        return {k: plain / self.steps[b, k].per_token() for k in range(1, k_max + 1)
+        return {k: plain / self.steps[b, k].per_token(certain) for k in range(1, k_max + 1)
                 if plain is not None and self.fresh(self.steps.get((b, k)))}  # fmt: skip
 
     def any_fresh(self, b: int) -> bool:
@@ -240,6 +243,27 @@ class _WholeSteps:
         _, wb, k = near[0]
         gain = self.plain[wb] / self.steps[wb, k].per_token()
         return (expected_tokens(rates, k) / gain - 1.0) / k
+
+
+class Kept:
+    """The cost measurements of `AutoSpec` (its cost model, whole steps, calibration counts), kept per model across
+    engines by `kept_for`; a fresh one (the default) starts from the priors."""
+
+    def __init__(self):
+        self.model: _CostModel | None = None
+        self.wholes: _WholeSteps | None = None
+        self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
+        self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {costs key: Kept}
+
+
+def kept_for(model, key) -> Kept:
+    """The measurements kept for `model` under `key` (what makes step costs comparable: device, dtype, compiled
+    decode step or not): every auto engine built over the same model object in this process shares them, so a
+    second engine starts from what the first measured; dropped with the model."""
+    return _KEPT.setdefault(model, {}).setdefault(key, Kept())
 
 
 class AutoSpec:
@@ -261,13 +285,15 @@ class AutoSpec:
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
         min_samples: whole speculative steps with k drafts a bucket needs before their measured time prices k.
         forget: decode steps after a k's latest whole step before its measured time stops pricing it.
+        kept: measurements to continue from and add to (`kept_for`: shared by the engines over one model); the
+            first AutoSpec over an empty one sets its cost model's and whole steps' parameters.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.005, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
                  calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3,
-                 forget: int = 256):  # fmt: skip
+                 forget: int = 256, kept: Kept | None = None):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -278,15 +304,17 @@ class AutoSpec:
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
+        self.ending: weakref.WeakSet = weakref.WeakSet()  # requests at their last token (no room for drafts)
         self.probes = 0  # one-draft probes of requests that had stepped aside
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
-        self.model = _CostModel(decay, prior_c, prior_v)
+        kept = Kept() if kept is None else kept
+        if kept.model is None:
+            kept.model, kept.wholes = _CostModel(decay, prior_c, prior_v), _WholeSteps(min_samples, forget)
+        self.model, self.wholes = kept.model, kept.wholes
+        self.since_plain, self.plain_count = kept.since_plain, kept.plain_count
         self.batch = 1
         self.batch_rates: list[float] = []  # the running requests' mean acceptance per position (`before_step`)
-        self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
-        self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
-        self.wholes = _WholeSteps(min_samples, forget)  # whole decode-only engine steps
         self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step
         self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
 
@@ -312,15 +340,23 @@ class AutoSpec:
         self.wholes.clock += 1
         b = bucket(len(plan))
         # the step's k: drafts per entry, rounded, an entry without drafts counting its request's latest choice
-        # (a replay after rejections, or a head restarting, is a cost of drafting k)
-        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k else 0) for r, _ in plan)
+        # (a replay after rejections, or a head restarting, is a cost of drafting k; a request's last step, with no
+        # room for drafts, is not: counted for k it passed for a cheap k step and turned drafting off)
+        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k and r not in self.ending else 0)
+                   for r, _ in plan)  # fmt: skip
         k = int(mode / len(plan) + 0.5)
-        if k or not any(req.spec_k for req, _ in plan):  # neither: a lone probe in a plain batch
+        plain = not any(req.spec_k for req, _ in plan)
+        # a plain step prices plain decoding only when every entry feeds its one token: a replay after rejected
+        # drafts takes the multi-token path (tiny config, batch 16: 1.3x a plain step, so drafts at a loss looked
+        # like a gain)
+        clean = all(n == 1 for _, n in plan)
+        if k or (plain and clean):  # neither: a lone probe in a plain batch, or a plain step with replays
             reqs = [req for req, _ in plan]
             self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
-        if not any(req.spec_k for req, _ in plan):
-            self.model.plain[b] = _fast_down(self.model.plain.get(b), seconds)
-            self.plain_count[b] = self.plain_count.get(b, 0) + 1
+        if plain:
+            if clean:
+                self.model.plain[b] = _fast_down(self.model.plain.get(b), seconds)
+                self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
@@ -338,13 +374,14 @@ class AutoSpec:
         emitted `tokens`: what prices k against plain decoding (`gains`)."""
         self.wholes.record(batch, k, seconds, tokens)
 
-    def gains(self, batch: int, rates=None) -> list[float]:
+    def gains(self, batch: int, rates=None, certain: bool = False) -> list[float]:
         """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
         where k has `min_samples` whole steps and the bucket a plain one: (seconds per token plain) / (seconds per
         token in k's steps), rollbacks, replays, proposals and host work included; else E(k) / (1 + k (c + v)),
         the cost model's (`costs`, no dearer than the priors) with `rates` (default the engine's), its per-draft
         cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
-        E(k) / gain(k) plain steps)."""
+        E(k) / gain(k) plain steps). `certain`: as if every draft were accepted (`rates` then all 1): a measured
+        k's steps priced at k + 1 tokens per entry."""
         rates = self.rate if rates is None else rates
         c, v = self.fixed if self.fixed is not None else self.model.costs(batch)
         if self.fixed is None:  # the model no dearer than the priors: a line fit to a few steps in a burst of load
@@ -352,7 +389,7 @@ class AutoSpec:
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         if self.fixed is not None:
             return model
-        measured = self.wholes.gains(bucket(batch), self.k_max)
+        measured = self.wholes.gains(bucket(batch), self.k_max, certain)
         if not measured:  # nothing here yet: no cheaper a draft than the nearest measured bucket's
             per = self.wholes.borrowed(bucket(batch), rates)
             return model if per is None else [expected_tokens(rates, k) / (1.0 + k * max(c + v, per))
@@ -386,14 +423,7 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        # Past batch 1 every auto request of the step drafts the same k, from the batch's mean rates: entries of
-        # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
-        # entries took ~1.7x the time of one of 1-draft entries on the deep config).
-        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
-        key = (self.wholes.clock, self.batch, tuple(rates))
-        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
-            self._gains = (key, self.gains(self.batch, rates))
-        k = min(cap, pick_k(self._gains[1], self.min_gain))
+        k = min(cap, self._choice(req))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -405,6 +435,17 @@ class AutoSpec:
             else:
                 self.backoff[req] = 1
         return k
+
+    def _choice(self, req) -> int:
+        """The k that pays best for `req` now (0: none pays `min_gain`). Past batch 1 every auto request of the step
+        drafts the same k, from the batch's mean rates: entries of unequal lengths leave the verify step's
+        equal-length paths (a batch-16 step of mixed 1- and 2-draft entries took ~1.7x the time of one of 1-draft
+        entries on the deep config)."""
+        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
+        key = (self.wholes.clock, self.batch, tuple(rates))
+        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
+            self._gains = (key, self.gains(self.batch, rates))
+        return pick_k(self._gains[1], self.min_gain)
 
     def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
         """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
@@ -443,7 +484,7 @@ class AutoSpec:
 
     def _could_pay(self, batch: int) -> bool:
         """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
-        return pick_k(self.gains(batch, [1.0] * self.k_max), max(self.min_gain, self.probe_gain)) > 0
+        return pick_k(self.gains(batch, [1.0] * self.k_max, True), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
         """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
@@ -451,14 +492,20 @@ class AutoSpec:
         paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
         step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
         cost)."""
-        for req in list(self.paused):
-            self.paused.discard(req)
-            if not req.finished and req.spec_k == 0:
+        paused = [req for req in self.paused if not req.finished and req.spec_k == 0]
+        self.paused.clear()
+        for req in paused:
+            if self._choice(req) > 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+            else:  # the plain step just measured says no k pays: stay plain (no step restarting the head for it)
+                self.last_k[req], self.plain_steps[req], self.backoff[req] = 0, 0, 1
         b = bucket(self.batch)
-        due = min(self.calibrate_every, 8 << min(2 * self.plain_count.get(b, 0), 8))  # 8, 32, 128, ... steps
+        n = self.plain_count.get(b, 0)  # the first early (whole k steps are priced against it), then 32, 128, ...
+        due = min(self.calibrate_every, 8 << min(2 * n, 8) if n else 4)
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
+        if any(len(req.prompt_ids) + len(req.output_ids) - req.num_cached != 1 for req in running):
+            return  # a replay is due: the plain step would not measure plain decoding (`record_plan`); next step
         self.since_plain[b] = 0
         for req in running:
             if (
