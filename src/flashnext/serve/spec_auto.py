@@ -123,24 +123,28 @@ class _Line:
 
 
 class _Times:
-    """Whole steps of one (bucket, k): the low envelope of their times (`_fast_down`), the latest `keep` (seconds,
-    tokens emitted, tokens had every draft been accepted) samples, the sample count and the decode step
-    (`AutoSpec`'s clock) of the latest.
+    """Whole steps of one (bucket, k): the low envelope of the times of those where every entry drafted
+    (`_fast_down`), the latest `keep` (seconds, tokens emitted, tokens had every draft been accepted) samples, the
+    sample count and the decode step (`AutoSpec`'s clock) of the latest.
     `per_token()` is seconds per emitted token over the kept samples within `burst` times the envelope: a step's own
-    variation (a replay after a rejection) counts, a burst of load on a shared machine (2-3x a few steps in a row)
-    does not."""
+    variation (a replay after a rejection, a head restarting without drafts) counts, a burst of load on a shared
+    machine (2-3x a few steps in a row) does not. (An envelope of all of k's steps was that of the cheap steps
+    without drafts: tiny config, batch 16, the steps with drafts took 1.5x them, fell outside and k = 1 at 0.9x
+    plain measured 1.05x.)"""
 
     def __init__(self, keep: int = 16, burst: float = 1.5):
         self.low, self.n, self.last, self.burst = None, 0, 0, burst
         self.recent: collections.deque = collections.deque(maxlen=keep)
 
-    def add(self, seconds: float, tokens: float, clock: int, most: float = 0.0) -> None:
-        self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
+    def add(self, seconds: float, tokens: float, clock: int, most: float = 0.0, drafted: bool = True) -> None:
+        self.low = _fast_down(self.low, seconds) if drafted else self.low
+        self.n, self.last = self.n + 1, clock
         self.recent.append((seconds, tokens, max(most, tokens)))
 
     def per_token(self, certain: bool = False) -> float:
         """Seconds per emitted token (`certain`: per token had every draft been accepted)."""
-        kept = [(s, m if certain else t) for s, t, m in self.recent if s <= self.burst * self.low]
+        top = math.inf if self.low is None else self.burst * self.low
+        kept = [(s, m if certain else t) for s, t, m in self.recent if s <= top]
         return sum(s for s, _ in kept) / max(1e-9, sum(t for _, t in kept))
 
 
@@ -210,12 +214,12 @@ class _WholeSteps:
         self.plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps
         self.clock = 0
 
-    def record(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+    def record(self, batch: int, k: int, seconds: float, tokens: float, most: float = 0.0, drafted: bool = True):
         b = bucket(batch)
         if k == 0:
             self.plain[b] = _fast_down(self.plain.get(b), seconds / batch)  # one token per entry
         else:
-            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock, batch * (k + 1))
+            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock, most, drafted)
 
     def fresh(self, low: _Times | None) -> bool:
         """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
@@ -352,7 +356,9 @@ class AutoSpec:
         clean = all(n == 1 for _, n in plan)
         if k or (plain and clean):  # neither: a lone probe in a plain batch, or a plain step with replays
             reqs = [req for req, _ in plan]
-            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
+            most = sum(len(req.drafts) + 1 for req in reqs)  # tokens were every draft accepted
+            drafted = all(req.drafts for req in reqs)
+            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs), most, drafted)
         if plain:
             if clean:
                 self.model.plain[b] = _fast_down(self.model.plain.get(b), seconds)
@@ -365,14 +371,16 @@ class AutoSpec:
     def record_step_end(self, seconds: float) -> None:
         """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
         if self._pending is not None:
-            batch, k, reqs, before = self._pending
-            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before)
+            batch, k, reqs, before, most, drafted = self._pending
+            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before, most, drafted)
             self._pending = None
 
-    def record_whole(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+    def record_whole(self, batch: int, k: int, seconds: float, tokens: float, most: float = 0.0,
+                     drafted: bool = True) -> None:  # fmt: skip
         """A whole decode-only step of `batch` entries in mode `k` (drafts per entry, rounded; 0: a plain step) that
-        emitted `tokens`: what prices k against plain decoding (`gains`)."""
-        self.wholes.record(batch, k, seconds, tokens)
+        emitted `tokens` (`most` had every draft been accepted; `drafted`: every entry had drafts): what prices k
+        against plain decoding (`gains`)."""
+        self.wholes.record(batch, k, seconds, tokens, most, drafted)
 
     def gains(self, batch: int, rates=None, certain: bool = False) -> list[float]:
         """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
