@@ -508,8 +508,7 @@ class AutoSpec:
             else:  # the plain step just measured says no k pays: stay plain (no step restarting the head for it)
                 self.last_k[req], self.plain_steps[req], self.backoff[req] = 0, 0, 1
         b = bucket(self.batch)
-        n = self.plain_count.get(b, 0)  # the first early (whole k steps are priced against it), then 32, 128, ...
-        due = min(self.calibrate_every, 8 << min(2 * n, 8) if n else 4)
+        due = min(self.calibrate_every, 8 << min(2 * self.plain_count.get(b, 0), 8))  # 8, 32, 128, ... steps
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
         if any(len(req.prompt_ids) + len(req.output_ids) - req.num_cached != 1 for req in running):
