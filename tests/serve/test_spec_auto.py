@@ -520,3 +520,18 @@ def test_measurements_are_kept_per_model_across_engines(small_config):
     queued = [_Req(0) for _ in range(4)]
     second.spec_auto.before_step([], queued, 4)
     assert [r.spec_k for r in queued] == [0, 0, 0, 0]
+
+
+def test_a_calibration_that_finds_no_k_paying_leaves_the_requests_plain():
+    """The calibration's plain step shows k = 1 (measured) at a loss: the paused requests stay plain (no step
+    restarting their heads without drafts, only to be sent plain after it); where k = 1 pays they are re-armed."""
+    for k_seconds, want in ((0.030, 0), (0.012, 4)):
+        auto = AutoSpec(min_samples=3)
+        reqs = [_Req(10), _Req(20)]
+        _steps(auto, 2, 1, [k_seconds] * 8, 4)  # 8 speculative steps of k = 1, 4 tokens each: calibration due
+        auto.before_step(reqs)
+        assert [r.spec_k for r in reqs] == [0, 0]  # paused
+        _steps(auto, 2, 0, [0.010])  # the plain step
+        auto.before_step(reqs)
+        assert [r.spec_k for r in reqs] == [want, want]
+        assert all(auto.last_k.get(r) == 0 for r in reqs) if want == 0 else all(r not in auto.plain_steps for r in reqs)

@@ -28,24 +28,35 @@ one probe: the head restarts from its current position (cells skipped while it w
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
 updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
 doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
-would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
-speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
-only cost), and once they are measured, queued requests that could not gain as much start plain.
+would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it, a measured k's steps
+counted at k + 1 tokens per entry: a probe is itself a speculative step, and where certain drafts would gain a few
+percent, measured costs within their noise, probes only cost), and once they are measured, queued requests that
+could not gain as much start plain.
 Measured tokens per second price k once there are enough (`gains`): per batch bucket and mode k (the step's drafts
 per entry, rounded, an entry without drafts counting its request's latest choice: the replay step that follows
-rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k; a lone probe in a plain batch
-prices nothing), the whole decode-only engine steps (model step, verification, rollback, the next proposal, host
-work) and the tokens they emitted; seconds per token over the recent samples within 1.5x the steps' low envelope
-(`_Times`: this box's load comes in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first
-samples read a k = 2 step at 3.5 plain steps and turned drafting off for good), against the plain step's envelope
-(fast down, slow up: every plain step does the same work) over its batch. With `min_samples` of them, the latest
+rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k, a request's last step (no
+room for drafts) does not; a lone probe in a plain batch prices nothing), the whole decode-only engine steps (model
+step, verification, rollback, the next proposal, host work) and the tokens they emitted; seconds per token over the
+recent samples within 1.5x the low envelope of the steps where every entry drafted (`_Times`: this box's load comes
+in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first samples read a k = 2 step at 3.5
+plain steps and turned drafting off for good), against the plain step's envelope (fast down, slow up: every plain
+step does the same work) over its batch, from plain steps where every entry fed its one token (a replay after
+rejected drafts takes the slower multi-token path: tiny config, batch 16, such a step read 1.3x a plain one and
+k = 1 at 0.9x plain passed for a gain). With `min_samples` of them, the latest
 within `forget` decode steps, gain(k) is that ratio, so the chosen k's measured tokens per second beat plain
 decoding's or k is 0; a k not measured yet keeps the cost model, its per-draft cost raised to the nearest measured
 k's (the model alone left out rollbacks, replay steps and the speculative step's fixed costs: it priced an extra
 draft at 0.1-0.25 of a plain step where runs said ~0.3, and chose k = 2-3 where k = 1 was faster).
 Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 32) of a
-bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
-(the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
+bucket without a plain one, at the first step where no replay is due, its auto requests are held plain for one
+step, so the plain step time t0 is measured (the speculative step's fixed overhead, residual and snapshots, then
+counts in m rather than hiding in t0); where that measurement says no k pays, they stay plain.
+Kept across engines: the cost model, the whole steps and the calibration counts (`Kept`) live on the model object
+(`kept_for`, by device, dtype and decode path), so an engine built over a model an earlier one measured starts
+from those costs (a server keeps them anyway; a user building an engine per batch, as benchmarks/spec_decode.py
+does, would otherwise pay the exploration every time: tiny config, batch 16, ~10 steps of k = 1 at 0.9x plain).
+The first engine still pays it, and a k not run for `forget` decode steps (counted over all of them) is priced by
+the cost model and tried again. Acceptance stays per engine.
 """
 
 from __future__ import annotations
@@ -495,11 +506,12 @@ class AutoSpec:
         return pick_k(self.gains(batch, [1.0] * self.k_max, True), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
-        """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration costs the
-        paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
-        step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
-        cost)."""
+        """Re-arm the requests paused last step (where a k still pays: else they stay plain, as `draft_count` would
+        send them after a step restarting their head); when this batch's bucket has had `calibrate_every`
+        speculative decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration
+        costs the paused step and the step after, whose head restarts without drafts), pause its speculating
+        requests for one step, the first where none is due a replay (a plain step to measure against: without it a
+        speculative step's fixed overhead would pass for plain cost)."""
         paused = [req for req in self.paused if not req.finished and req.spec_k == 0]
         self.paused.clear()
         for req in paused:
