@@ -503,7 +503,7 @@ def test_measurements_are_kept_per_model_across_engines(small_config):
     """Engines over one model share what they measured (per device, dtype and decode path), so a second engine
     starts from the first's costs: where the first measured that k = 1 loses, the second's queued requests start
     plain; a model, or a decode path, of its own starts from the priors."""
-    from flashnext.serve.spec_auto import Kept, kept_for
+    from flashnext.serve.spec_costs import Kept, kept_for
 
     model = spec_model(small_config)  # its own: the module's model carries what other tests' engines measured
     first = _auto_engine(model, fixed=None)

@@ -80,7 +80,8 @@ from flashnext.serve.request import Completion, Request
 from flashnext.serve.sampler import Sampler
 from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.scheduler import Scheduler
-from flashnext.serve.spec_auto import AutoSpec, is_auto, kept_for
+from flashnext.serve.spec_auto import AutoSpec, is_auto
+from flashnext.serve.spec_costs import kept_for
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
 from flashnext.serve.weight_update import copy_pieces
