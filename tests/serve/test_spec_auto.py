@@ -220,8 +220,13 @@ class _Req:
 
     def __init__(self, num_cached: int):
         self.spec_k, self.finished, self.drafts, self.num_cached = 4, False, [7, 8], num_cached
-        self.mtp_cells, self.resume_residual, self.prompt_ids, self.output_ids = num_cached, None, [1], []
-        self.params = SamplingParams()
+        self.mtp_cells, self.resume_residual = num_cached, None
+        self.prompt_ids, self.output_ids = [1] * num_cached, [5]  # one known token to feed: a plain decode's
+        self.params, self.forks, self.choices = SamplingParams(), None, []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 def test_calibration_pauses_speculation_for_one_plain_step():
@@ -415,3 +420,118 @@ def test_a_bucket_without_measurements_borrows_the_nearest_measured_draft_cost()
     want = [expected_tokens(rates, k) / (1 + k * per) for k in range(5)]
     assert auto.gains(8, rates) == pytest.approx(want) and pick_k(want, auto.min_gain) == 1
     assert auto.gains(1, rates) == pytest.approx(want)  # the nearest measured bucket, however far
+
+
+# ---- what a plain step and a k step are measured from ---------------------------------------------------------
+def test_a_plain_step_with_replays_does_not_price_plain_decoding():
+    """A plain step where an entry re-feeds tokens after rejected drafts (the calibration step right after
+    speculative ones) takes the multi-token path, slower than plain decoding: it is not the plain reference, and a
+    calibration waits for a step where every request feeds its one token."""
+    auto = AutoSpec()
+    reqs = [_Req(10) for _ in range(2)]
+    for r in reqs:
+        r.spec_k, r.drafts = 0, []
+    auto.record_plan([(reqs[0], 1), (reqs[1], 3)], 0.030)  # a replay of 3 tokens
+    auto.record_step_end(0.031)
+    assert 2 not in auto.model.plain and 2 not in auto.wholes.plain and auto._pending is None
+    auto.record_plan([(r, 1) for r in reqs], 0.010)
+    auto.record_step_end(0.011)
+    assert auto.model.plain[2] == 0.010 and auto.wholes.plain[2] == pytest.approx(0.011 / 2)
+    for r in reqs:
+        r.spec_k = 4
+    auto.since_plain[2] = 8  # calibration due (none measured before: after 8)
+    auto.plain_count[2] = 0
+    reqs[1].num_cached -= 2  # a replay of 3 tokens is due
+    auto.before_step(reqs)
+    assert [r.spec_k for r in reqs] == [4, 4]  # not now
+    reqs[1].num_cached += 2
+    auto.before_step(reqs)
+    assert [r.spec_k for r in reqs] == [0, 0]  # now
+
+
+def test_a_requests_last_step_is_no_cost_of_its_k():
+    """At its last token a request has no room for drafts: its step without drafts emits one token at about a plain
+    step's cost. Counted for its latest k (as a replay is) it passed for a cheap k step, set k's envelope and made
+    k's real steps look like bursts; it is not counted."""
+    from flashnext.serve.speculative import Speculator
+
+    auto = AutoSpec()
+    spec = object.__new__(Speculator)
+    spec.auto, spec.max_model_len = auto, 1000
+    req = _Req(10)
+    req.params = SamplingParams(max_tokens=3)
+    req.output_ids, req.prompt_ids = [5, 6], [1] * 9  # one token to go
+    auto.last_k[req], req.drafts = 1, []
+    assert spec.draft_count(req) == 0 and auto.last_k[req] == 1
+    auto.record_plan([(req, 1)], 0.010)
+    assert auto._pending is None  # neither a plain step nor one of k = 1
+
+
+def test_a_ks_envelope_comes_from_steps_that_drafted():
+    """k = 1 steps with drafts take 1.6x the steps of k = 1 without (a head restarting, a replay): the burst filter's
+    envelope is that of the steps with drafts, so both count; an envelope of all of them took the cheap steps
+    alone (1.6 > 1.5) and priced k = 1 at one token per 10 ms where it costs 13 ms."""
+    auto = AutoSpec(min_samples=3)
+    _steps(auto, 1, 0, [0.010])
+    _steps(auto, 1, 1, [0.016] * 4, 2)  # with drafts, 2 tokens each
+    reqs = [_Req(10)]
+    reqs[0].drafts, auto.last_k[reqs[0]] = [], 1  # without drafts, counted for k = 1
+    for _ in range(4):
+        auto.record_plan([(reqs[0], 1)], 0.010)
+        reqs[0].output_ids.append(5)
+        auto.record_step_end(0.010)
+    assert auto.wholes.steps[1, 1].n == 8
+    assert auto.gains(1)[1] == pytest.approx(0.010 / ((4 * 0.016 + 4 * 0.010) / 12))
+
+
+def test_probes_are_judged_at_certain_acceptance_of_the_measured_steps():
+    """Measured k = 1 steps gain 1.1 at 1.6 tokens a step: below `probe_gain`, but every draft accepted they would
+    gain 1.1 * 2 / 1.6 = 1.375, so a request that stepped aside probes (comparing the measured gain itself, made at
+    the acceptance seen, with `probe_gain` kept it plain for good)."""
+    auto = AutoSpec(min_samples=3)
+    _steps(auto, 1, 0, [0.010])
+    t = 1.6 / 1.1 * 0.010
+    for n in (2, 1, 2, 2, 1):  # 8 tokens in 5 steps
+        _steps(auto, 1, 1, [t], n)
+    assert auto.gains(1)[1] == pytest.approx(1.1)
+    assert auto.gains(1, [1.0] * 4, certain=True)[1] == pytest.approx(1.1 * 2 / 1.6)
+    assert auto._could_pay(1)
+
+
+# ---- measurements kept across engines ---------------------------------------------------------------------------
+def test_measurements_are_kept_per_model_across_engines(small_config):
+    """Engines over one model share what they measured (per device, dtype and decode path), so a second engine
+    starts from the first's costs: where the first measured that k = 1 loses, the second's queued requests start
+    plain; a model, or a decode path, of its own starts from the priors."""
+    from flashnext.serve.spec_costs import Kept, kept_for
+
+    model = spec_model(small_config)  # its own: the module's model carries what other tests' engines measured
+    first = _auto_engine(model, fixed=None)
+    second = _auto_engine(model, fixed=None)
+    assert first.spec_auto.wholes is second.spec_auto.wholes and first.spec_auto.model is second.spec_auto.model
+    assert first.spec_auto is not second.spec_auto  # acceptance and the requests' state stay per engine
+    graph = kept_for(model, ("cpu", torch.float32, True))
+    assert graph is not kept_for(model, ("cpu", torch.float32, False)) and isinstance(graph, Kept)
+    assert AutoSpec().wholes is not first.spec_auto.wholes  # no kept measurements given: fresh ones
+    assert second.spec_auto._could_pay(4)  # the priors
+    _steps(first.spec_auto, 4, 0, [0.010] * 2)
+    _steps(first.spec_auto, 4, 1, [0.030] * 3, 6)  # k = 1: 6 tokens in 3 plain steps' time
+    assert second.spec_auto.wholes.clock == 5 and not second.spec_auto._could_pay(4)
+    queued = [_Req(0) for _ in range(4)]
+    second.spec_auto.before_step([], queued, 4)
+    assert [r.spec_k for r in queued] == [0, 0, 0, 0]
+
+
+def test_a_calibration_that_finds_no_k_paying_leaves_the_requests_plain():
+    """The calibration's plain step shows k = 1 (measured) at a loss: the paused requests stay plain (no step
+    restarting their heads without drafts, only to be sent plain after it); where k = 1 pays they are re-armed."""
+    for k_seconds, want in ((0.030, 0), (0.012, 4)):
+        auto = AutoSpec(min_samples=3)
+        reqs = [_Req(10), _Req(20)]
+        _steps(auto, 2, 1, [k_seconds] * 8, 4)  # 8 speculative steps of k = 1, 4 tokens each: calibration due
+        auto.before_step(reqs)
+        assert [r.spec_k for r in reqs] == [0, 0]  # paused
+        _steps(auto, 2, 0, [0.010])  # the plain step
+        auto.before_step(reqs)
+        assert [r.spec_k for r in reqs] == [want, want]
+        assert all(auto.last_k.get(r) == 0 for r in reqs) if want == 0 else all(r not in auto.plain_steps for r in reqs)

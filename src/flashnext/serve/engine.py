@@ -81,6 +81,7 @@ from flashnext.serve.sampler import Sampler
 from flashnext.serve.sampling import SamplingParams
 from flashnext.serve.scheduler import Scheduler
 from flashnext.serve.spec_auto import AutoSpec, is_auto
+from flashnext.serve.spec_costs import kept_for
 from flashnext.serve.speculative import SpecForward, Speculator
 from flashnext.serve.stats import EngineStats
 from flashnext.serve.weight_update import copy_pieces
@@ -153,7 +154,10 @@ class Engine:
         self.speculator = Speculator(self.model, self.cache, max_model_len, self.stats) if has_mtp else None
         if self.speculator is not None:
             self.speculator.controls = self.sampler.controls  # one table of token counts per request
-        self.spec_auto = AutoSpec() if is_auto(num_speculative_tokens) and has_mtp else None
+        self.spec_auto = None
+        if is_auto(num_speculative_tokens) and has_mtp:  # what earlier engines over this model measured, kept
+            dtype = next(model.parameters()).dtype
+            self.spec_auto = AutoSpec(kept=kept_for(self.model, (str(self.device), dtype, bool(decode_graph))))
         if self.spec_auto is not None:
             self.speculator.auto = self.spec_auto
             self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then

@@ -28,45 +28,44 @@ one probe: the head restarts from its current position (cells skipped while it w
 probe's drafts may be poorer; they are proposals, so tokens stay exact) and proposes one draft, whose verdict
 updates its acceptance; the next choice keeps it drafting or sends it back, and each probe that sends it back
 doubles the wait before the next (up to `max_backoff`). No probe runs while even drafts certain to be accepted
-would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it: a probe is itself a
-speculative step, and where certain drafts would gain a few percent, measured costs within their noise, probes
-only cost), and once they are measured, queued requests that could not gain as much start plain.
+would not gain `probe_gain` (1.2) at the current batch (its measured costs alone decide it, a measured k's steps
+counted at k + 1 tokens per entry: a probe is itself a speculative step, and where certain drafts would gain a few
+percent, measured costs within their noise, probes only cost), and once they are measured, queued requests that
+could not gain as much start plain.
 Measured tokens per second price k once there are enough (`gains`): per batch bucket and mode k (the step's drafts
 per entry, rounded, an entry without drafts counting its request's latest choice: the replay step that follows
-rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k; a lone probe in a plain batch
-prices nothing), the whole decode-only engine steps (model step, verification, rollback, the next proposal, host
-work) and the tokens they emitted; seconds per token over the recent samples within 1.5x the steps' low envelope
-(`_Times`: this box's load comes in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first
-samples read a k = 2 step at 3.5 plain steps and turned drafting off for good), against the plain step's envelope
-(fast down, slow up: every plain step does the same work) over its batch. With `min_samples` of them, the latest
-within `forget` decode steps, gain(k) is that ratio, so the chosen k's measured tokens per second beat plain
-decoding's or k is 0; a k not measured yet keeps the cost model, its per-draft cost raised to the nearest measured
-k's (the model alone left out rollbacks, replay steps and the speculative step's fixed costs: it priced an extra
-draft at 0.1-0.25 of a plain step where runs said ~0.3, and chose k = 2-3 where k = 1 was faster).
-Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 32) of a
-bucket without a plain one, its auto requests are held plain for one step, so the plain step time t0 is measured
-(the speculative step's fixed overhead, residual and snapshots, then counts in m rather than hiding in t0).
+rejections in two steps running, re-feeding 5-7 tokens and emitting one, belongs to k, a request's last step (no
+room for drafts) does not; a lone probe in a plain batch prices nothing), the whole decode-only engine steps (model
+step, verification, rollback, the next proposal, host work) and the tokens they emitted; seconds per token over the
+recent samples within 1.5x the low envelope of the steps where every entry drafted (`spec_costs.Times`: this box's
+load comes in bursts of ~0.5 s that double a few steps in a row: a plain mean of the first samples read a k = 2 step
+at 3.5 plain steps and turned drafting off for good), against the plain step's envelope (fast down, slow up: every
+plain step does the same work) over its batch, from plain steps where every entry fed its one token (a replay after
+rejected drafts takes the slower multi-token path: tiny config, batch 16, such a step read 1.3x a plain one and
+k = 1 at 0.9x plain passed for a gain). With `min_samples` of them, the latest within `forget` decode steps, gain(k)
+is that ratio, so the chosen k's measured tokens per second beat plain decoding's or k is 0; a k not measured yet
+keeps the cost model, its per-draft cost raised to the nearest measured k's (the model alone left out rollbacks,
+replay steps and the speculative step's fixed costs: it priced an extra draft at 0.1-0.25 of a plain step where runs
+said ~0.3, and chose k = 2-3 where k = 1 was faster).
+Calibration: after `calibrate_every` speculative decode steps (the first after 8, then 32) of a bucket without a
+plain one, at the first step where no replay is due, its auto requests are held plain for one step, so the plain
+step time t0 is measured (the speculative step's fixed overhead, residual and snapshots, then counts in m rather
+than hiding in t0); where that measurement says no k pays, they stay plain.
+Kept across engines: the cost model, the whole steps and the calibration counts (`spec_costs.Kept`) live on the
+model object (`kept_for`, by device, dtype and decode path), so an engine built over a model an earlier one
+measured starts from those costs (a server keeps them anyway; a user building an engine per batch, as
+benchmarks/spec_decode.py does, would otherwise pay the exploration every time: tiny config, batch 16, ~10 steps of
+k = 1 at 0.9x plain). The first engine still pays it, and a k not run for `forget` decode steps (counted over all
+of them) is priced by the cost model and tried again. Acceptance stays per engine.
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import weakref
 
+from flashnext.serve.spec_costs import Kept, bucket, expected_tokens, fast_down
+
 K_MAX = 4  # auto's longest draft: E(k) gains little past it unless acceptance is very high
-
-
-def expected_tokens(a, k: int) -> float:
-    """Tokens a verify step with k drafts emits on average. `a`: one acceptance for every draft position
-    (sum_{i=0..k} a^i), or per-position rates a[j] (draft j+1 accepted given the ones before it were:
-    1 + a[0] + a[0] a[1] + ...; positions past the list take its last rate)."""
-    rates = [float(a)] if isinstance(a, (int, float)) else [float(x) for x in a]
-    total, term = 1.0, 1.0
-    for j in range(k):
-        term *= rates[min(j, len(rates) - 1)]
-        total += term
-    return total
 
 
 def choose_k(a, c: float, v: float, k_max: int, min_gain: float = 1.0) -> int:
@@ -91,157 +90,6 @@ def pick_k(gains, min_gain: float = 1.0) -> int:
     return best if gains[best] >= min_gain else 0
 
 
-def bucket(batch: int) -> int:
-    """The power of two at or above `batch` (costs are kept per bucket)."""
-    return 1 << max(0, batch - 1).bit_length()
-
-
-class _Line:
-    """Decayed least squares of step seconds against extra fed tokens: (t0, m) once two distinct x were seen."""
-
-    def __init__(self, decay: float):
-        self.decay = decay
-        self.s = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        n, sx, sy, sxx, sxy = (v * d for v in self.s)
-        self.s = [n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
-
-    def fit(self) -> tuple[float, float] | None:
-        n, sx, sy, sxx, sxy = self.s
-        det = n * sxx - sx * sx
-        if n < 2 or det <= 1e-9 * max(1.0, n * sxx):
-            return None
-        m = max(0.0, (n * sxy - sx * sy) / det)
-        t0 = (sy - m * sx) / n
-        return (t0, m) if t0 > 0 else None
-
-    def mean(self) -> tuple[float, float] | None:
-        n, sx, sy = self.s[:3]
-        return (sx / n, sy / n) if n else None
-
-
-class _Times:
-    """Whole steps of one (bucket, k): the low envelope of their times (`_fast_down`), the latest `keep` (seconds,
-    tokens emitted) samples, the sample count and the decode step (`AutoSpec`'s clock) of the latest.
-    `per_token()` is seconds per emitted token over the kept samples within `burst` times the envelope: a step's own
-    variation (a replay after a rejection) counts, a burst of load on a shared machine (2-3x a few steps in a row)
-    does not."""
-
-    def __init__(self, keep: int = 16, burst: float = 1.5):
-        self.low, self.n, self.last, self.burst = None, 0, 0, burst
-        self.recent: collections.deque = collections.deque(maxlen=keep)
-
-    def add(self, seconds: float, tokens: float, clock: int) -> None:
-        self.low, self.n, self.last = _fast_down(self.low, seconds), self.n + 1, clock
-        self.recent.append((seconds, tokens))
-
-    def per_token(self) -> float:
-        kept = [(s, t) for s, t in self.recent if s <= self.burst * self.low]
-        return sum(s for s, _ in kept) / max(1e-9, sum(t for _, t in kept))
-
-
-def _fast_down(old: float | None, seconds: float) -> float:
-    """Fast down, slow up: on a shared machine timing noise only adds time, so a faster plain step is taken at once
-    and a slower one averaged in (one slow early sample would otherwise pass for the plain cost until the next
-    calibration, making every draft look cheap)."""
-    old = seconds if old is None else old
-    return min(seconds, old + 0.1 * (seconds - old))
-
-
-class _CostModel:
-    """The cost model (module doc) that prices k before whole steps are measured: per batch bucket a decayed
-    least-squares line of a speculative step's time in the tokens fed beyond one per request, the draft step's time
-    and the plain step's time (`AutoSpec.fixed` ratios replace it in tests)."""
-
-    def __init__(self, decay: float, prior_c: float, prior_v: float):
-        self.decay, self.prior_c, self.prior_v = decay, prior_c, prior_v
-        self.steps: dict[int, _Line] = {}
-        self.draft: dict[int, float] = {}  # bucket -> seconds per draft step (exponential average)
-        self.plain: dict[int, float] = {}  # bucket -> seconds of a plain decode step (fast down, slow up)
-
-    def record_step(self, batch: int, extra_tokens: int, seconds: float) -> None:
-        """A decode-only model step of `batch` requests that fed `extra_tokens` beyond one each."""
-        self.steps.setdefault(bucket(batch), _Line(self.decay)).add(extra_tokens, seconds)
-
-    def record_drafts(self, batch: int, draft_steps: int, seconds: float) -> None:
-        """A proposal (head cells, then chained draft steps) of `draft_steps` drafts for `batch` requests."""
-        b, per = bucket(batch), seconds / max(1, draft_steps)
-        self.draft[b] = per if b not in self.draft else self.draft[b] + 0.2 * (per - self.draft[b])
-
-    def measured(self, b: int) -> bool:
-        line = self.steps.get(b)
-        return line is not None and b in self.draft and (b in self.plain or line.fit() is not None)
-
-    def costs(self, batch: int) -> tuple[float, float]:
-        """(c, v) at this batch size: measured where the bucket has them, else the priors. The plain step's time
-        t0 is the measured plain step's when there is one (the speculative step's fixed overhead then counts in
-        the per-token cost m, averaged over the tokens fed), else the line's intercept."""
-        b = bucket(batch)
-        line = self.steps.get(b)
-        mean = line.mean() if line is not None else None
-        if mean is None or b not in self.draft:
-            return self.prior_c, self.prior_v * batch
-        x, y = mean
-        fit = line.fit()
-        if b in self.plain:
-            t0 = self.plain[b]
-            m = max(fit[1] if fit else 0.0, (y - t0) / x if x > 0 else 0.0)
-        elif fit is not None:
-            t0, m = fit
-        else:  # t0 from the prior marginal cost: y = t0 * (1 + prior_v * x)
-            t0 = y / (1.0 + self.prior_v * x)
-            return self.draft[b] / t0, self.prior_v * batch
-        return self.draft[b] / t0, batch * m / t0
-
-
-class _WholeSteps:
-    """Whole decode-only engine steps (model step, sampling or verification, rollback, proposal), what prices k
-    against plain decoding (`AutoSpec.gains`): per (bucket, drafts per entry) their seconds and emitted tokens, per
-    bucket plain decoding's seconds per token (fast down, slow up). `clock` counts decode-only steps; a k's
-    measurement prices it while `fresh`."""
-
-    def __init__(self, min_samples: int, forget: int):
-        self.min_samples, self.forget = min_samples, forget
-        self.steps: dict[tuple[int, int], _Times] = {}  # (bucket, drafts per entry) -> (seconds, tokens) per step
-        self.plain: dict[int, float] = {}  # bucket -> seconds per token of plain steps
-        self.clock = 0
-
-    def record(self, batch: int, k: int, seconds: float, tokens: float) -> None:
-        b = bucket(batch)
-        if k == 0:
-            self.plain[b] = _fast_down(self.plain.get(b), seconds / batch)  # one token per entry
-        else:
-            self.steps.setdefault((b, k), _Times()).add(seconds, tokens, self.clock)
-
-    def fresh(self, low: _Times | None) -> bool:
-        """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
-        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
-        return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
-
-    def gains(self, b: int, k_max: int) -> dict[int, float]:
-        """{k: plain seconds per token / k's seconds per token} for the fresh k of bucket `b`."""
-        plain = self.plain.get(b)
-        return {k: plain / self.steps[b, k].per_token() for k in range(1, k_max + 1)
-                if plain is not None and self.fresh(self.steps.get((b, k)))}  # fmt: skip
-
-    def any_fresh(self, b: int) -> bool:
-        return b in self.plain and any(self.fresh(m) for (wb, _), m in self.steps.items() if wb == b)
-
-    def borrowed(self, b: int, rates) -> float | None:
-        """The per-draft cost (in plain steps) measured at the bucket nearest `b` that has a fresh k (its shortest),
-        or None: a bucket a batch enters late (requests finishing at different steps) starts from it, not from the
-        priors (they had the tail of a batch-16 run drafting k = 2-3 where k = 1 barely paid)."""
-        near = sorted((abs(math.log2(wb / b)), wb, k) for (wb, k), m in self.steps.items()
-                      if wb != b and wb in self.plain and self.fresh(m))  # fmt: skip
-        if not near:
-            return None
-        _, wb, k = near[0]
-        gain = self.plain[wb] / self.steps[wb, k].per_token()
-        return (expected_tokens(rates, k) / gain - 1.0) / k
-
-
 class AutoSpec:
     """Per-request draft lengths for `num_speculative_tokens="auto"` (see the module doc).
 
@@ -261,13 +109,15 @@ class AutoSpec:
         calibrate_every: speculative decode steps of a batch bucket before one plain step measures it again.
         min_samples: whole speculative steps with k drafts a bucket needs before their measured time prices k.
         forget: decode steps after a k's latest whole step before its measured time stops pricing it.
+        kept: measurements to continue from and add to (`kept_for`: shared by the engines over one model); the
+            first AutoSpec over an empty one sets its cost model's and whole steps' parameters.
     """
 
     def __init__(self, k_max: int = K_MAX, fixed: tuple[float, float] | None = None, prior_rate: float = 0.5,
                  prior_c: float = 0.3, prior_v: float = 0.005, alpha: float = 0.15, global_alpha: float = 0.02,
                  min_gain: float = 1.03, probe_every: int = 16, max_backoff: int = 8, decay: float = 0.98,
                  calibrate_every: int = 64, probe_gain: float = 1.2, min_samples: int = 3,
-                 forget: int = 256):  # fmt: skip
+                 forget: int = 256, kept: Kept | None = None):  # fmt: skip
         self.k_max, self.fixed = k_max, fixed
         self.rate = [prior_rate] * max(1, k_max)  # engine-wide acceptance per draft position
         self.prior_c, self.prior_v = prior_c, prior_v
@@ -278,17 +128,15 @@ class AutoSpec:
         self.plain_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> steps since off
         self.probing: weakref.WeakSet = weakref.WeakSet()
         self.last_k: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its latest choice
+        self.ending: weakref.WeakSet = weakref.WeakSet()  # requests at their last token (no room for drafts)
         self.probes = 0  # one-draft probes of requests that had stepped aside
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
-        self.model = _CostModel(decay, prior_c, prior_v)
-        self.batch = 1
-        self.batch_rates: list[float] = []  # the running requests' mean acceptance per position (`before_step`)
-        self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
-        self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
+        kept = (Kept() if kept is None else kept).start(decay, prior_c, prior_v, min_samples, forget)
+        self.model, self.wholes, self.since_plain, self.plain_count = kept.model, kept.wholes, *kept.counts
+        self.batch, self.batch_rates = 1, []  # and the running requests' mean acceptance per position (`before_step`)
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
-        self.wholes = _WholeSteps(min_samples, forget)  # whole decode-only engine steps
         self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step
-        self._pending: tuple | None = None  # this step's (batch, k, its requests, their output lengths)
+        self._pending: tuple | None = None  # this step's (batch, k, requests, output lengths, most, drafted)
 
     # ---- acceptance --------------------------------------------------------------------------------------
     def observe(self, req, drafted: int, accepted: int) -> None:
@@ -312,15 +160,25 @@ class AutoSpec:
         self.wholes.clock += 1
         b = bucket(len(plan))
         # the step's k: drafts per entry, rounded, an entry without drafts counting its request's latest choice
-        # (a replay after rejections, or a head restarting, is a cost of drafting k)
-        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k else 0) for r, _ in plan)
+        # (a replay after rejections, or a head restarting, is a cost of drafting k; a request's last step, with no
+        # room for drafts, is not: counted for k it passed for a cheap k step and turned drafting off)
+        mode = sum(len(r.drafts) or (self.last_k.get(r, 0) if r.spec_k and r not in self.ending else 0)
+                   for r, _ in plan)  # fmt: skip
         k = int(mode / len(plan) + 0.5)
-        if k or not any(req.spec_k for req, _ in plan):  # neither: a lone probe in a plain batch
+        plain = not any(req.spec_k for req, _ in plan)
+        # a plain step prices plain decoding only when every entry feeds its one token: a replay after rejected
+        # drafts takes the multi-token path (tiny config, batch 16: 1.3x a plain step, so drafts at a loss looked
+        # like a gain)
+        clean = all(n == 1 for _, n in plan)
+        if k or (plain and clean):  # neither: a lone probe in a plain batch, or a plain step with replays
             reqs = [req for req, _ in plan]
-            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs))
-        if not any(req.spec_k for req, _ in plan):
-            self.model.plain[b] = _fast_down(self.model.plain.get(b), seconds)
-            self.plain_count[b] = self.plain_count.get(b, 0) + 1
+            most = sum(len(req.drafts) + 1 for req in reqs)  # tokens were every draft accepted
+            drafted = all(req.drafts for req in reqs)
+            self._pending = (len(plan), k, reqs, sum(len(req.output_ids) for req in reqs), most, drafted)
+        if plain:
+            if clean:
+                self.model.plain[b] = fast_down(self.model.plain.get(b), seconds)
+                self.plain_count[b] = self.plain_count.get(b, 0) + 1
             self.since_plain[b] = 0
             return
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
@@ -329,22 +187,25 @@ class AutoSpec:
     def record_step_end(self, seconds: float) -> None:
         """The whole engine step `record_plan` saw (from its model step's start to the end of the proposal)."""
         if self._pending is not None:
-            batch, k, reqs, before = self._pending
-            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before)
+            batch, k, reqs, before, most, drafted = self._pending
+            self.record_whole(batch, k, seconds, sum(len(req.output_ids) for req in reqs) - before, most, drafted)
             self._pending = None
 
-    def record_whole(self, batch: int, k: int, seconds: float, tokens: float) -> None:
+    def record_whole(self, batch: int, k: int, seconds: float, tokens: float, most: float = 0.0,
+                     drafted: bool = True) -> None:  # fmt: skip
         """A whole decode-only step of `batch` entries in mode `k` (drafts per entry, rounded; 0: a plain step) that
-        emitted `tokens`: what prices k against plain decoding (`gains`)."""
-        self.wholes.record(batch, k, seconds, tokens)
+        emitted `tokens` (`most` had every draft been accepted; `drafted`: every entry had drafts): what prices k
+        against plain decoding (`gains`)."""
+        self.wholes.record(batch, k, seconds, tokens, most, drafted)
 
-    def gains(self, batch: int, rates=None) -> list[float]:
+    def gains(self, batch: int, rates=None, certain: bool = False) -> list[float]:
         """Per k in [0, k_max], tokens per second drafting k over plain decoding's, at this batch's bucket. Measured
         where k has `min_samples` whole steps and the bucket a plain one: (seconds per token plain) / (seconds per
         token in k's steps), rollbacks, replays, proposals and host work included; else E(k) / (1 + k (c + v)),
         the cost model's (`costs`, no dearer than the priors) with `rates` (default the engine's), its per-draft
         cost raised to that of the nearest measured k (ties: the shorter one; a measured k's step costs
-        E(k) / gain(k) plain steps)."""
+        E(k) / gain(k) plain steps). `certain`: as if every draft were accepted (`rates` then all 1): a measured
+        k's steps priced at k + 1 tokens per entry."""
         rates = self.rate if rates is None else rates
         c, v = self.fixed if self.fixed is not None else self.model.costs(batch)
         if self.fixed is None:  # the model no dearer than the priors: a line fit to a few steps in a burst of load
@@ -352,7 +213,7 @@ class AutoSpec:
         model = [expected_tokens(rates, k) / (1.0 + k * (c + v)) for k in range(self.k_max + 1)]
         if self.fixed is not None:
             return model
-        measured = self.wholes.gains(bucket(batch), self.k_max)
+        measured = self.wholes.gains(bucket(batch), self.k_max, certain)
         if not measured:  # nothing here yet: no cheaper a draft than the nearest measured bucket's
             per = self.wholes.borrowed(bucket(batch), rates)
             return model if per is None else [expected_tokens(rates, k) / (1.0 + k * max(c + v, per))
@@ -386,14 +247,7 @@ class AutoSpec:
             self.probing.discard(req)
             self.probes += 1
             return min(1, cap)
-        # Past batch 1 every auto request of the step drafts the same k, from the batch's mean rates: entries of
-        # unequal lengths leave the verify step's equal-length paths (a batch-16 step of mixed 1- and 2-draft
-        # entries took ~1.7x the time of one of 1-draft entries on the deep config).
-        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
-        key = (self.wholes.clock, self.batch, tuple(rates))
-        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
-            self._gains = (key, self.gains(self.batch, rates))
-        k = min(cap, pick_k(self._gains[1], self.min_gain))
+        k = min(cap, self._choice(req))
         self.last_k[req] = k
         if k > 0:
             self.backoff.pop(req, None)
@@ -405,6 +259,16 @@ class AutoSpec:
             else:
                 self.backoff[req] = 1
         return k
+
+    def _choice(self, req) -> int:
+        """The k that pays best for `req` now (0: none pays `min_gain`). Past batch 1 every auto request of the step
+        drafts the same k, from the batch's mean rates: entries of unequal lengths leave the verify step's
+        equal-length paths (batch 16, deep config: mixed 1- and 2-draft entries took ~1.7x 1-draft ones)."""
+        rates = self.rates.get(req, self.rate) if self.batch == 1 or not self.batch_rates else self.batch_rates
+        key = (self.wholes.clock, self.batch, tuple(rates))
+        if self._gains is None or self._gains[0] != key:  # once a step past batch 1, not per request
+            self._gains = (key, self.gains(self.batch, rates))
+        return pick_k(self._gains[1], self.min_gain)
 
     def before_step(self, running, waiting=(), max_slots: int | None = None) -> None:
         """Count the plain steps of requests that stepped aside; re-arm those due for a probe (every
@@ -443,22 +307,28 @@ class AutoSpec:
 
     def _could_pay(self, batch: int) -> bool:
         """Whether drafts certain to be accepted would gain `probe_gain` at this batch's costs."""
-        return pick_k(self.gains(batch, [1.0] * self.k_max), max(self.min_gain, self.probe_gain)) > 0
+        return pick_k(self.gains(batch, [1.0] * self.k_max, True), max(self.min_gain, self.probe_gain)) > 0
 
     def _calibrate(self, running) -> None:
-        """Re-arm the requests paused last step; when this batch's bucket has had `calibrate_every` speculative
-        decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration costs the
-        paused step and the step after, whose head restarts without drafts), pause its speculating requests for one
-        step (a plain step to measure against: without it a speculative step's fixed overhead would pass for plain
-        cost)."""
-        for req in list(self.paused):
-            self.paused.discard(req)
-            if not req.finished and req.spec_k == 0:
+        """Re-arm the requests paused last step (where a k still pays: else they stay plain, as `draft_count` would
+        send them after a step restarting their head); when this batch's bucket has had `calibrate_every`
+        speculative decode steps without a plain one (8 after none measured, then 32, 128, ...: each calibration
+        costs the paused step and the step after, whose head restarts without drafts), pause its speculating
+        requests for one step, the first where none is due a replay (a plain step to measure against: without it a
+        speculative step's fixed overhead would pass for plain cost)."""
+        paused = [req for req in self.paused if not req.finished and req.spec_k == 0]
+        self.paused.clear()
+        for req in paused:
+            if self._choice(req) > 0:
                 req.spec_k, req.mtp_cells, req.resume_residual = self.k_max, req.num_cached, None
+            else:  # the plain step just measured says no k pays: stay plain (no step restarting the head for it)
+                self.last_k[req], self.plain_steps[req], self.backoff[req] = 0, 0, 1
         b = bucket(self.batch)
         due = min(self.calibrate_every, 8 << min(2 * self.plain_count.get(b, 0), 8))  # 8, 32, 128, ... steps
         if self.fixed is not None or self.since_plain.get(b, 0) < due:
             return
+        if any(len(req.prompt_ids) + len(req.output_ids) - req.num_cached != 1 for req in running):
+            return  # a replay is due: the plain step would not measure plain decoding (`record_plan`); next step
         self.since_plain[b] = 0
         for req in running:
             if (

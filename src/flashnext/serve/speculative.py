@@ -213,6 +213,8 @@ class Speculator:
         k = max(0, min(req.spec_k, remaining - 1))
         if k and self.auto is not None and req.params.num_speculative_tokens is None:  # the engine's "auto"
             k = self.auto.draft_count(req, k)
+        elif self.auto is not None and remaining <= 1:  # its last step, without drafts: no cost of auto's k
+            self.auto.ending.add(req)
         return k
 
     # ---- the proposal -----------------------------------------------------------------------------------
