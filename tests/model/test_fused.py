@@ -126,17 +126,25 @@ def _graph_ops(fn, *args):
         graphs.append((gm, example_inputs))
         return gm.forward
 
+    torch._dynamo.reset()  # the callers' lambdas are one code object per call site: no stale cache entries
     with torch.no_grad():
         out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     gm, inputs = graphs[0]
     return out, {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}, inputs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_few_row_product_is_a_reduction_equal_to_f_linear(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "bf16", "bf16_avx2_cpu"],
+)
+def test_compiled_few_row_product_is_a_reduction_equal_to_f_linear(dtype, native, monkeypatch):
     """Inside a compiled graph a product of at most `fused.REDUCED_ROWS` rows is a reduction in fp32
-    (`fused.reduced_linear`); more rows stay a GEMM. fp32 sums in another order than MKL: 1e-5; bf16 rounds once at
-    the end in both (fp32 accumulation), so the two differ by at most one bf16 rounding step: 1e-2 relative."""
+    (`fused.reduced_linear`); more rows stay a GEMM; on a CPU without bf16 instructions (`fused.NATIVE_GEMM`) only
+    one row reduces. fp32 sums in another order than MKL: 1e-5; bf16 rounds once at the end in both (fp32
+    accumulation), so the two differ by at most one bf16 rounding step: 1e-2 relative."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+    most = fused.REDUCED_ROWS if native else 1
     w, b = torch.randn(96, 256, dtype=dtype), torch.randn(96, dtype=dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     for rows in (1, 3, fused.REDUCED_ROWS, fused.REDUCED_ROWS + 1):
@@ -144,7 +152,7 @@ def test_compiled_few_row_product_is_a_reduction_equal_to_f_linear(dtype):
         got, ops, _ = _graph_ops(lambda x: fused.linear(x, w, b, fused=True), x)
         torch.testing.assert_close(got, F.linear(x, w, b), **tol)
         reduced = any("sum" in op for op in ops) and not any(op.endswith(("mm", "linear")) for op in ops)
-        assert reduced == (rows <= fused.REDUCED_ROWS), (rows, ops)
+        assert reduced == (rows <= most), (rows, ops)
 
 
 @pytest.mark.slow
@@ -159,9 +167,10 @@ def test_reduced_product_under_inductor_equals_f_linear():
                 torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=tol, atol=tol)
 
 
-def test_compiled_group_product_reads_the_bf16_weight_not_its_fp32_copy():
+def test_compiled_group_product_reads_the_bf16_weight_not_its_fp32_copy(monkeypatch):
     """A group's fp32 copy serves eager few-row products; inside a compiled graph the reduction reads the bf16
-    weight itself (half the bytes) and upcasts as it reads."""
+    weight itself (half the bytes) and upcasts as it reads (two rows: a CPU with bf16 instructions)."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, True)
     mods = [nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(64, 16, dtype=torch.bfloat16)]
     group = fused.Group(*mods)
     group.build()
