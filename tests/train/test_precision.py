@@ -93,3 +93,22 @@ def test_bf16_compute_trains_the_mtp_head_over_fp32_masters(small_config, tmp_pa
     assert any(not torch.equal(v, after[k]) for k, v in before.items())  # the head moved
     for state in on.optimizers["mtp"].state.values():
         assert all(v.dtype == torch.float32 for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_cpu", "avx2_cpu"])
+def test_bf16_compute_on_a_cpu_without_bf16_instructions_warns(native, monkeypatch, caplog):
+    """Training in bf16 where the CPU emulates bf16 products (`fused.NATIVE_GEMM`) says so and names the faster
+    setting; fp32 training, and bf16 on a CPU with the instructions, say nothing."""
+    from flashnext.model import fused
+    from flashnext.train.setup import mixed_precision
+
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+    cpu = torch.device("cpu")
+    for args, warns in ((["--model.dtype=bfloat16"], not native), ([], False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="flashnext.train"):
+            assert mixed_precision(None, load_run_config(None, args), None, cpu) is None  # one dtype throughout
+        said = [r.getMessage() for r in caplog.records if "without bf16 instructions" in r.getMessage()]
+        assert bool(said) == warns, (args, caplog.text)
+        if warns:
+            assert "train.compute_dtype='float32'" in said[0]
