@@ -181,7 +181,7 @@ class Group:
             and not reduces(x)
             and (upcasts(x) or x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX)
         ):
-            y = linear(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)
+            y = _gemm(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)  # a GEMM, not a reduction
             return y.contiguous() if contiguous else y
         _, _, weight, bias, _ = self._built
         return linear(x, weight, bias, fused=True, contiguous=contiguous)
