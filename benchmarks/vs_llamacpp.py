@@ -147,10 +147,6 @@ def agreement(model, simple: Path, gguf: Path, threads: int, n: int = 32) -> tup
 TIE_MARGIN = 0.05  # logits: llama.cpp's F16 KV cache and sum order move logits by ~1e-3 relative
 
 
-def logits_dtype(model) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 def tie_gaps(model, ids: list[int], rest: bytes, most: int) -> tuple[list[float], list[float]]:
     """Our top logit minus our logit of each token llama.cpp printed next (`rest`, read back from its text: up to
     `most` tokens, fewer where a token cannot be read), each after `ids` and llama.cpp's tokens before it; and the
@@ -170,7 +166,9 @@ def tie_gaps(model, ids: list[int], rest: bytes, most: int) -> tuple[list[float]
     seq, rows = torch.tensor(ids + toks), slice(len(ids) - 1, -1)  # the rows predicting toks
     with torch.no_grad():
         logits = model(seq).logits[rows].float()
-        wide = logits if logits_dtype(model) == torch.float32 else copy.deepcopy(model).float()(seq).logits[rows]
+        wide = logits
+        if next(model.parameters()).dtype != torch.float32:  # the same weights run in fp32
+            wide = copy.deepcopy(model).float()(seq).logits[rows]
     noise = (logits - wide).abs().max(-1).values
     gaps = logits.max(-1).values - logits[torch.arange(len(toks)), torch.tensor(toks)]
     return gaps.tolist(), (TIE_MARGIN + 2 * noise).tolist()

@@ -184,6 +184,18 @@ def test_fp32_prefill_slab_keeps_the_row_major_products(monkeypatch):
     torch.testing.assert_close(out, _loop_reference(ex, x, e, w), rtol=1e-5, atol=1e-5)
 
 
+def _routed_moe(seed: int, dtype: torch.dtype, tokens: int):
+    """(moe, x, routing weights, experts): a random MoE of 6 experts, top-2, in `dtype`, and `tokens` routed
+    tokens (4 or 9: 8 or 18 assignments, more than the gather path takes)."""
+    torch.manual_seed(seed)
+    moe = SparseMoE(_cfg(E=6, k=2)).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(tokens, 8, dtype=dtype)
+    w, e = moe.gate(x)
+    return moe, x, w, e
+
+
 def _traced_static_step(ex, x, e, w):
     """`ex` on a static decode step traced by dynamo (what the CPU decode graph compiles), run as traced: (output,
     the ops of the traced graph)."""
@@ -207,12 +219,7 @@ def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
     the routed ids, the routing order restored before each token's sum) when there are at least
     `SORTED_ASSIGNMENTS` assignments per expert, else in routing order. Against the fp64 loop on the same inputs:
     fp32 sums of 8-term products, 1e-5."""
-    torch.manual_seed(4)
-    moe = SparseMoE(_cfg(E=6, k=2)).double()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    x = torch.randn(tokens, 8, dtype=torch.float64)  # 18 or 8 assignments over 6 experts: not the gather path
-    w, e = moe.gate(x)
+    moe, x, w, e = _routed_moe(4, torch.float64, tokens)
     ref = _loop_reference(moe.experts, x.float().double(), e, w.float().double())
     got, ops = _traced_static_step(moe.experts.float(), x.float(), e, w.float())
     assert not any("bmm" in op for op in ops), ops
@@ -230,12 +237,7 @@ def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(to
     the fp64 loop on the same bf16 values: bf16 rounding of the products' inputs and outputs, 2e-2 of the largest
     output."""
     monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
-    torch.manual_seed(5)
-    moe = SparseMoE(_cfg(E=6, k=2)).bfloat16()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    x = torch.randn(tokens, 8, dtype=torch.bfloat16)  # 8 or 18 assignments over 6 experts: not the gather path
-    w, e = moe.gate(x)
+    moe, x, w, e = _routed_moe(5, torch.bfloat16, tokens)
     ref = _loop_reference(moe.experts.double(), x.double(), e, w.double())
     got, ops = _traced_static_step(moe.experts.bfloat16(), x, e, w)
     assert any("bmm" in op for op in ops) == (native and 2 * tokens >= SORTED_ASSIGNMENTS * 6), ops

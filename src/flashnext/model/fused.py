@@ -79,8 +79,9 @@ def reduces(x: torch.Tensor) -> bool:
     a compiled graph; one row where the CPU lacks its dtype's instructions (`upcasts`: the generated loop converts
     the weight again for every row, an fp32 GEMM on the upcast weight converts it once: a batch-4 bf16 decode step
     7.5 -> 6.2 ms on an AVX2 EPYC, 2 threads, where fp32's takes 6.4)."""
-    rows = 1 if upcasts(x) else REDUCED_ROWS
-    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= rows and _compiling()
+    if not _compiling() or x.device.type != "cpu" or x.dim() != 2:
+        return False
+    return x.shape[0] <= (1 if upcasts(x) else REDUCED_ROWS)
 
 
 def _native(*probes: str) -> bool:

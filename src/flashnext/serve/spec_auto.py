@@ -132,7 +132,8 @@ class AutoSpec:
         self.probes = 0  # one-draft probes of requests that had stepped aside
         self.backoff: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> probe interval factor
         kept = (Kept() if kept is None else kept).start(decay, prior_c, prior_v, min_samples, forget)
-        self.model, self.wholes, self.since_plain, self.plain_count = kept.model, kept.wholes, *kept.counts
+        self.model, self.wholes = kept.model, kept.wholes
+        self.since_plain, self.plain_count = kept.since_plain, kept.plain_count
         self.batch, self.batch_rates = 1, []  # and the running requests' mean acceptance per position (`before_step`)
         self.paused: weakref.WeakSet = weakref.WeakSet()  # requests held plain for one calibration step
         self._gains: tuple | None = None  # ((clock, batch, rates), ratios) of this step

@@ -190,10 +190,6 @@ class Kept:
         self.since_plain: dict[int, int] = {}  # bucket -> speculative decode steps since its last plain one
         self.plain_count: dict[int, int] = {}  # bucket -> plain decode steps measured
 
-    @property
-    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
-        return self.since_plain, self.plain_count
-
     def start(self, decay: float, prior_c: float, prior_v: float, min_samples: int, forget: int) -> Kept:
         """Itself, its cost model and whole steps made with these parameters if it has none yet (a first engine)."""
         if self.model is None:
