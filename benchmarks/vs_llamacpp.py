@@ -275,6 +275,9 @@ def main(argv=None) -> int:
                             decode_graph=args.decode_graph, decode_buckets=[b])  # fmt: skip
             if engine.decode_graph is not None:
                 print(f"# decode graph batch={b}: compiled in {engine.decode_graph.warmup()[b]:.1f} s", flush=True)
+            if engine.chunk_graph is not None and b == 1:  # a batch-1 prompt of 32 tokens: one compiled piece
+                took = engine.chunk_graph.warmup([PROMPT_LEN])[PROMPT_LEN]
+                print(f"# prefill graph length={PROMPT_LEN}: compiled in {took:.1f} s", flush=True)
             times, loads = {"ours": [], "llama.cpp": [], "ours_pp": [], "llama.cpp_pp": []}, []
             ours_prefill_seconds(engine, model.config.vocab_size, b, args.seed)  # first prefill of this engine
             for rep in range(args.repeats):

@@ -70,15 +70,16 @@ class HistoryLayout:
 
 
 def history_layout(seg: Segments, W: int) -> HistoryLayout:
-    """The `HistoryLayout` of `seg` with W history rows per sequence (host math, or device math for a decode
-    stream; memoised on `seg`)."""
+    """The `HistoryLayout` of `seg` with W history rows per sequence (host math, or device math when every sequence
+    has the same length; memoised on `seg`)."""
     key = ("history", W)
-    if key not in seg.memo and seg.is_decode:  # one token per sequence: device ops only (a compiled decode step)
-        N, dev = seg.num_tokens, seg.seq_idx.device
-        block = torch.arange(N, device=dev)[:, None] * (W + 1)
+    if key not in seg.memo and len(set(seg.lengths)) == 1:  # L tokens per sequence: device ops only (a compiled
+        N, L, dev = len(seg.lengths), seg.lengths[0], seg.seq_idx.device  # decode or chunk step)
+        block = torch.arange(N, device=dev)[:, None] * (W + L)
         head = block + torch.arange(W, device=dev)
-        pos = torch.arange(W + 1, device=dev).repeat(N)
-        seg.memo[key] = HistoryLayout(pos, block[:, 0] + W, head, head + 1)
+        pos = torch.arange(W + L, device=dev).repeat(N)
+        real = (block + W + torch.arange(L, device=dev)).flatten()
+        seg.memo[key] = HistoryLayout(pos, real, head, block + L + torch.arange(W, device=dev))
     if key not in seg.memo:
         lengths = seg.lengths
         N = len(lengths)

@@ -25,6 +25,7 @@ import torch
 from serve_helpers import running_server, small_model
 
 from flashnext.cli import main as cli_main
+from flashnext.serve.chunk_graph import CHUNK_LENGTHS
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import SamplingParams
@@ -168,7 +169,7 @@ def test_a_bucket_whose_compile_fails_stays_eager(model, caplog):
     engine = Engine(model, **KW, decode_graph=True, decode_buckets=[1, 2], compile_backend=flaky)
     engine.decode_graph.compile_in_background().join(60)
     assert engine.decode_graph.ready == {2} and engine.decode_graph.compiling() == [1]
-    assert "compiling decode bucket 1 failed" in caplog.text
+    assert "compiling the decode step for batch 1 failed" in caplog.text
     _same(engine.generate(_prompts(), PARAMS), want)
 
 
@@ -182,7 +183,11 @@ def test_server_is_healthy_and_answers_while_buckets_compile(model):
         with running_server(build_app(engine, "m")) as base:
             assert gate.entered.wait(60)
             health = httpx.get(f"{base}/health", timeout=30).json()
-            assert health == {"status": "ok", "decode_graph": {"compiled": [], "pending": [1, 2]}}
+            pending_lengths = list(CHUNK_LENGTHS)  # prefill lengths compile after the decode buckets (`serve`)
+            assert health == {
+                "status": "ok", "decode_graph": {"compiled": [], "pending": [1, 2]},
+                "prefill_graph": {"compiled": [], "pending": pending_lengths},
+            }  # fmt: skip
             body = {"model": "m", "prompt": _prompts()[0], "max_tokens": 5, "temperature": 0}
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5 and ran == []

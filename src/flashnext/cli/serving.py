@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import signal
 import sys
@@ -37,6 +38,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-buckets", default=None, metavar="N,N,...",
         help="batch sizes decode steps are padded to with --decode-graph (default 1,2,4,8,16,32,64 up to --max-slots)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-lengths", default=None, metavar="N,N,...|none",
+        help="CPU with --decode-graph: the piece lengths a batch-1 prompt chunk is compiled in, after the decode "
+        "buckets (default 1,2,4,8,16,32,64; none: prefill stays eager)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
     p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")
@@ -147,7 +153,8 @@ def _build_engine(args: argparse.Namespace):
     try:
         engine = Engine(
             model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
-            decode_buckets=_buckets(args.decode_buckets), prefix_cache=args.prefix_cache,
+            decode_buckets=_buckets(args.decode_buckets), prefill_lengths=_lengths(args.prefill_lengths),
+            prefix_cache=args.prefix_cache,
             prefix_cache_mb=args.prefix_cache_mb, prefix_block_size=args.prefix_block_size,
         )  # fmt: skip
     except ConfigError as e:
@@ -172,13 +179,17 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _buckets(text: str | None) -> list[int] | None:
+def _buckets(text: str | None, flag: str = "--decode-buckets") -> list[int] | None:
     if text is None:
         return None
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise FlashNextError(f"--decode-buckets must be comma-separated ints, got {text!r}") from None
+        raise FlashNextError(f"{flag} must be comma-separated ints, got {text!r}") from None
+
+
+def _lengths(text: str | None) -> list[int] | None:
+    return [] if text is not None and text.strip() == "none" else _buckets(text, "--prefill-lengths")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -275,7 +286,7 @@ def run_serve(args: argparse.Namespace) -> None:
         port = sock.getsockname()[1]  # the one bound (--port 0: a free one)
         server = _server_class()(uvicorn.Config(app, log_level="warning"))
         if engine.decode_graph is not None:
-            server.after_startup = _prepare_decode_graph(engine.decode_graph)
+            server.after_startup = _prepare_decode_graph(engine.decode_graph, engine.chunk_graph)
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
         print(
             f"serving {name!r} on http://{args.host}:{port}/v1 (max_slots={engine.cache.max_slots}, {dtype} on "
@@ -283,19 +294,20 @@ def run_serve(args: argparse.Namespace) -> None:
             flush=True,
         )
         server.run(sockets=[sock])
-        _exit_if_compiling(engine.decode_graph, 0)
+        _exit_if_compiling(0, engine.decode_graph, engine.chunk_graph)
     except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
         print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
-        _exit_if_compiling(engine and engine.decode_graph, 130)
+        _exit_if_compiling(130, *((engine.decode_graph, engine.chunk_graph) if engine else ()))
         raise SystemExit(130) from None
     finally:
         sock.close()
 
 
-def _prepare_decode_graph(graph):
+def _prepare_decode_graph(graph, chunks):
     """CUDA: capture every bucket now (seconds). CPU: return what starts compiling them in the background (minutes
-    each), which the server calls once it listens (so the compile does not slow its start): the server is ready at
-    once, and decode steps run eager until their bucket is compiled (logged as each switches)."""
+    each), then the prefill chunk lengths (`chunks`), which the server calls once it listens (so the compile does not
+    slow its start): the server is ready at once, and steps run eager until their graph is compiled (logged as each
+    switches)."""
     if graph.cuda:
         print(f"capturing the decode step for batch buckets {graph.buckets} ...", flush=True)
         took = graph.warmup()
@@ -303,18 +315,19 @@ def _prepare_decode_graph(graph):
         return None
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     print(
-        f"compiling the decode step for batch buckets {graph.buckets} in the background (cache {cache}); decode "
-        "steps run eager until their bucket is compiled",
+        f"compiling the decode step for batch buckets {graph.buckets}"
+        + (f", then the prefill step for chunk lengths {chunks.buckets}," if chunks is not None else "")
+        + f" in the background (cache {cache}); steps run eager until their graph is compiled",
         flush=True,
     )
-    return graph.compile_in_background
+    return functools.partial(graph.compile_in_background, then=chunks and chunks.compile_in_background)
 
 
-def _exit_if_compiling(graph, code: int) -> None:
-    """Exit at once with `code` while a decode-graph compile still runs in its daemon thread: it cannot be stopped,
-    and finalising the interpreter around it aborts the process (SIGABRT from torch's C++ side, measured). The
-    compile is lost; nothing else is pending (the requests were ended, output is flushed)."""
-    if graph is not None and graph.background is not None and graph.background.is_alive():
+def _exit_if_compiling(code: int, *graphs) -> None:
+    """Exit at once with `code` while a decode- or prefill-graph compile still runs in its daemon thread: it cannot
+    be stopped, and finalising the interpreter around it aborts the process (SIGABRT from torch's C++ side,
+    measured). The compile is lost; nothing else is pending (the requests were ended, output is flushed)."""
+    if any(g is not None and g.background is not None and g.background.is_alive() for g in graphs):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -441,7 +454,7 @@ def _finish_graph(graph, start: float) -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
     except KeyboardInterrupt:
         print("flashnext generate: decode graph compile skipped (SIGINT)", file=sys.stderr, flush=True)
-        _exit_if_compiling(graph, 130)
+        _exit_if_compiling(130, graph)
         raise SystemExit(130) from None
 
 

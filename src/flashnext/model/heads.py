@@ -103,8 +103,9 @@ def last_token_rows(hidden: torch.Tensor, step: StepBatch) -> torch.Tensor:
 
     A static step returns every entry's row, padding included ([N, D]; the caller drops the padding rows): which
     entries are live is a device tensor there, and reading it would be a host sync inside the compiled step."""
-    if step.static:
-        return hidden
+    if step.static:  # every entry's last token (at one token per entry: every row)
+        L = step.seg.max_seqlen
+        return hidden if L == 1 else hidden[L - 1 :: L]
     last = [b - 1 for b, live in zip(step.seg.cu_host[1:], step.live_host, strict=True) if live]
     if len(last) < hidden.shape[0]:  # else every token is a live entry's last (a decode step): all rows
         hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.long, device=hidden.device))

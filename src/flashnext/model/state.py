@@ -26,11 +26,13 @@ carries MRoPE positions (a prompt with images) gives its prompt's `[3, L]` table
 rotates at `table[:, r]`, a later row at `r + delta` on all three axes (the reference's decode rule). Cache rows
 (`seg.position_ids`) stay the sequential offsets either way.
 
-Static steps (`make_decode_step`): a decode step of a fixed number of entries whose metadata are device tensors
-only (`StepBatch.static`). Every entry, padding included, reads and writes its slot (padding entries the scratch
-slot, whose contents nobody reads), QSA blocks are planned per entry on the device, and queries score every block
-row of the cache under a visibility mask, so no op reads a tensor value on the host and the shapes depend only on
-the number of entries: the step can be compiled once per size (`serve.decode_graph`) or captured as a CUDA graph.
+Static steps (`make_decode_step`; `make_chunk_step`, the same with L tokens per entry): a step of a fixed number
+of entries whose metadata are device tensors only (`StepBatch.static`). Every entry, padding included, reads and
+writes its slot (padding entries the scratch slot, whose contents nobody reads), QSA blocks are planned per entry
+on the device (the ceil(L / c) blocks its tokens may complete), and queries score every block row of the cache
+under a visibility mask, so no op reads a tensor value on the host and the shapes depend only on the number of
+entries (and L): the step can be compiled once per size (`serve.decode_graph`, `serve.chunk_graph`) or captured
+as a CUDA graph.
 
 Taking positions back (speculative decoding, a rejected draft): a `positional` state is indexed by position, so
 rows past the accepted length are invisible to every later query and overwritten before they are read; `window`
@@ -119,7 +121,7 @@ class Step:
 
     Attributes:
         kind: `TRAIN`, `PREFILL`, `DECODE` or `VERIFY`.
-        static: a fixed-shape decode step built by `make_decode_step` (see the module doc).
+        static: a fixed-shape step built by `make_decode_step` / `make_chunk_step` (see the module doc).
     """
 
     kind: str = TRAIN
@@ -174,6 +176,8 @@ class StepBatch(Step):
         slot_run: `(first, N)` when the entries' slots are `first, first+1, ...` in order and every entry is live
             (the usual decode batch): per-slot state is then read and written as one contiguous slice of each
             buffer (`gather`, `store`) instead of by index; None otherwise.
+        scratch_slot: static steps: the cache's scratch slot (where padding, and a block plan's unused candidates,
+            write).
     """
 
     kind: str = PREFILL
@@ -190,6 +194,7 @@ class StepBatch(Step):
     mrope: list | None = None
     rope_positions: torch.Tensor | None = None
     slot_run: tuple[int, int] | None = None
+    scratch_slot: int = -1
 
     def gather(self, buf: torch.Tensor) -> torch.Tensor:
         """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
@@ -349,6 +354,45 @@ def make_decode_step(slots: torch.Tensor, cached: torch.Tensor, scratch_slot: in
         live_slots=slots,
         tok_slot=slots,
         static=True,
+        scratch_slot=scratch_slot,
+    )
+
+
+def make_chunk_step(slots: torch.Tensor, cached: torch.Tensor, length: int, scratch_slot: int) -> StepBatch:
+    """A static step of N entries feeding `length` tokens each (a prompt chunk per entry): entry i's tokens go to
+    slot `slots[i]` after `cached[i]`, at positions `cached[i] .. cached[i] + length - 1`.
+
+    As `make_decode_step` (which it equals at `length` 1): device metadata only, every entry's state written, its
+    shapes constants of (N, `length`), so it can run inside a compiled graph (`serve.chunk_graph.ChunkGraph`).
+    Every entry is live (no padding entries: a chunk graph runs one real entry per call)."""
+    if length == 1:
+        return make_decode_step(slots, cached, scratch_slot)
+    N, device = slots.shape[0], slots.device
+    offset = torch.arange(length, device=device).repeat(N)
+    seq_idx = torch.arange(N, device=device).repeat_interleave(length)
+    seg = Segments(
+        cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=device) * length,
+        position_ids=cached[seq_idx] + offset,
+        max_seqlen=length,
+        seq_idx=seq_idx,
+        seq_start=seq_idx * length,
+        lengths=[length] * N,
+        cu_host=[i * length for i in range(N + 1)],
+        pos_in_seq=offset,
+    )
+    return StepBatch(
+        kind=PREFILL,
+        seg=seg,
+        slots=slots,
+        cached=cached,
+        cached_host=None,
+        live=torch.ones(N, dtype=torch.bool, device=device),
+        live_host=None,
+        live_idx=None,
+        live_slots=slots,
+        tok_slot=slots[seq_idx],
+        static=True,
+        scratch_slot=scratch_slot,
     )
 
 
@@ -390,9 +434,19 @@ def plan_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> Bloc
 
 
 def _plan_decode_blocks(step: StepBatch, ratio: int, rotary, dtype: torch.dtype) -> BlockPlan:
-    """Static step: entry i's candidate block is the last one its token can complete, `(cached + 1) // c - 1`
-    (clamped to 0); `done` marks the live entries whose token does complete it."""
-    end = step.cached + 1
-    idx = (end // ratio - 1).clamp_min(0)
+    """Static step of L tokens per entry: entry i's candidates are the last M = ceil(L / c) blocks its tokens can
+    complete, `end // c - 1 - j` for j < M with `end = cached + L` (no chunk of L tokens completes more); `done`
+    marks the live entries' candidates their tokens do complete. A candidate before block 0 points at block 0 of
+    the scratch slot (at L = 1, of its own slot: its only candidate, so nothing else writes that row), so no two
+    candidates of a real slot name one block."""
+    L = step.seg.max_seqlen
+    M = -(-L // ratio)
+    end = step.cached + L
+    idx = (end // ratio - 1)[:, None] - torch.arange(M, device=end.device)  # [N, M]
+    done = step.live[:, None] & (idx >= step.cached[:, None] // ratio) & (idx >= 0)
+    slot = step.slots[:, None].expand(-1, M)
+    if M > 1:
+        slot = torch.where(idx >= 0, slot, slot.new_full((), step.scratch_slot))
+    idx = idx.clamp_min(0).flatten()
     cos, sin = rotary(idx * ratio, dtype)
-    return BlockPlan(step.slots, idx, cos, sin, step.live & (end % ratio == 0), 0)
+    return BlockPlan(slot.flatten(), idx, cos, sin, done.flatten(), 0)

@@ -64,7 +64,10 @@ def gated_delta_rule(
     if initial_state is not None and seg.max_seqlen <= SHORT:
         return short_gated_delta_rule(q, k, v, g, beta, seg, initial_state)
     if initial_state is not None:  # serving: a short prompt pads to its own chunk size, not to CHUNK
-        return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state, fitted_chunk(seg.max_seqlen))
+        # A compiled static chunk step (`serve.chunk_graph.ChunkGraph`) traces the kernel: its layout is a
+        # constant of the graph's shape there, so nothing specialises on a packing.
+        run = _chunk_rule if torch.compiler.is_dynamo_compiling() else chunk_gated_delta_rule
+        return run(q, k, v, g, beta, seg, initial_state, fitted_chunk(seg.max_seqlen))
     return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial_state)
 
 
@@ -166,11 +169,7 @@ def _use_fla(x: torch.Tensor) -> bool:
     return True
 
 
-# Opaque to torch.compile: the chunk layout and the scan's step count come from host lengths, so tracing would
-# specialise a graph on every packing. A compiled caller passes the `Segments` (never its host list, which dynamo
-# would guard on element by element) and this runs eagerly between graphs with its own autograd.
-@torch.compiler.disable
-def chunk_gated_delta_rule(
+def _chunk_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -219,6 +218,12 @@ def chunk_gated_delta_rule(
     S = rows.gather_rows(befores, layout.chunk_major)  # state before each chunk, chunk order [NC, H, K, V]
     o_chunks = torch.baddbmm(B.flatten(0, 1), A.flatten(0, 1), S.flatten(0, 1)).view(NC, H, C, V)
     return _token_rows(o_chunks, layout).to(out_dtype), rows.gather_rows(final, layout.unorder)
+
+
+# Opaque to torch.compile: the chunk layout and the scan's step count come from host lengths, so tracing would
+# specialise a graph on every packing. A compiled caller passes the `Segments` (never its host list, which dynamo
+# would guard on element by element) and this runs eagerly between graphs with its own autograd.
+chunk_gated_delta_rule = torch.compiler.disable(_chunk_rule)
 
 
 def _single_chunks(A, B, M, U, S0, layout: ChunkLayout, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:

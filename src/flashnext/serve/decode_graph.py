@@ -28,7 +28,7 @@ weights change only in place (`serve/weight_update.py`, `fused.Group.build`), an
 anyway. A Python value the step reads is baked into the graph: change it and build a new engine (tested).
 
 Bound calls (CPU): once a bucket's graph has run through dynamo (its guards checked) and the layout is unchanged,
-its steps skip dynamo altogether. `_BoundStep` runs the bucket's one compiled entry once with its graph function
+its steps skip dynamo altogether. `BoundStep` runs the bucket's one compiled entry once with its graph function
 swapped for a recorder, keeps the tensors it passed (parameters, fused weights, cache buffers: read in place, as
 a CUDA graph reads them at their addresses) and from then on calls the graph function on them with the step's
 ids / slots / positions: no frame evaluation, no guards, no attribute walk (-0.65 ms of a ~2.8 ms batch-1 step,
@@ -59,6 +59,7 @@ import torch
 from flashnext.errors import ConfigError
 from flashnext.model import fused
 from flashnext.model.state import make_decode_step
+from flashnext.serve.graph_calls import BoundStep, CapturedStep
 
 log = logging.getLogger("flashnext.serve")
 
@@ -133,6 +134,8 @@ class DecodeGraph:
             no graph can contain.
     """
 
+    NAME, UNIT = "decode", "batch"  # what the logs call the graphs and their sizes
+
     def __init__(self, model, cache, buckets: Sequence[int] | None = None, backend: str = "inductor"):
         from flashnext.ngram import NgramTable
 
@@ -143,7 +146,7 @@ class DecodeGraph:
             )
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
-        self.buckets = bucket_sizes(buckets, cache.max_slots)
+        self.buckets = self._sizes(buckets, cache.max_slots)
         self.watch = fused.Watch(fused.groups(model))  # the fused weights' change check before each call
         self.compiles = 0  # graphs handed to the compiler backend (one per bucket used, when nothing recompiles)
         self.compile_seconds: dict[int, float] = {}  # bucket -> wall time of its first (compiling) call
@@ -153,10 +156,10 @@ class DecodeGraph:
         members = [(d, n) for d, n in self.watch.slots if d.get(n) is not None]  # the fused groups' parameters
         self.layout = _Layout(model, members)  # every parameter and buffer, checked before each step (module doc)
         self.layout.check()  # the layout graphs are compiled (captured) in, also by `warmup` and the background
-        self._captured: dict[int, _CapturedStep] = {}
+        self._captured: dict[int, CapturedStep] = {}
         self._compiled: dict[int, Callable] = {}
         self._codes: dict[int, types.CodeType] = {}  # bucket -> its private copy of `_step`'s code (dynamo's key)
-        self._bound: dict[int, _BoundStep | None] = {}  # bucket -> its bound call (None: it cannot be bound)
+        self._bound: dict[int, BoundStep | None] = {}  # bucket -> its bound call (None: it cannot be bound)
         self._checked: dict[int, int] = {}  # bucket -> layout generation of its last call through dynamo's guards
         if not self.cuda:
             inner = torch._dynamo.lookup_backend(backend)
@@ -173,12 +176,17 @@ class DecodeGraph:
             # each bucket its own cache entry, gone with the instance, never shared with another engine's or
             # another bucket's (a bucket compiling in the background never touches the entry the engine is using).
             for N in self.buckets:
-                code = self._codes[N] = DecodeGraph._step.__code__.replace(co_name=f"decode_step_{N}")
-                step = types.FunctionType(code, globals(), f"decode_step_{N}").__get__(self)
+                name = f"{self.NAME}_step_{N}"
+                code = self._codes[N] = type(self)._step.__code__.replace(co_name=name)
+                step = types.FunctionType(code, type(self)._step.__globals__, name).__get__(self)
                 self._compiled[N] = torch.compile(
                     step, backend=counting, fullgraph=True, dynamic=False, recompile_limit=RECOMPILES_PER_BUCKET,
                     options={"guard_filter_fn": _tensor_guards},  # see the module doc
                 )  # fmt: skip
+
+    @staticmethod
+    def _sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
+        return bucket_sizes(buckets, max_slots)
 
     def _step(self, ids: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         """The static decode step: ids, slots, cached int64 [N] -> logits [N, V] (padding rows included)."""
@@ -243,7 +251,7 @@ class DecodeGraph:
             self.compile_seconds[N] = time.perf_counter() - start
             self.ready.add(N)
             if threading.current_thread() is not self.background:
-                log.info("decode step for batch bucket %d ready in %.1f s", N, self.compile_seconds[N])
+                log.info("%s step for %s %d ready in %.1f s", self.NAME, self.UNIT, N, self.compile_seconds[N])
         return logits
 
     def warmup(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
@@ -259,7 +267,10 @@ class DecodeGraph:
             self._call(N, *self._inputs([], [], [], N))
 
     def compile_in_background(
-        self, buckets: Sequence[int] | None = None, on_ready: Callable[[int, float], None] | None = None
+        self,
+        buckets: Sequence[int] | None = None,
+        on_ready: Callable[[int, float], None] | None = None,
+        then: Callable[[], object] | None = None,
     ) -> threading.Thread:
         """Compile the given buckets (default all, smallest first) in a daemon thread; returns it (started).
 
@@ -269,23 +280,27 @@ class DecodeGraph:
         (see `__init__`): the engine stepping a ready bucket and this thread compiling the next never share dynamo
         state. The thread does not refresh the fused weights (the engine's steps do, before every graph call), so a
         weight update is seen by the next engine step as ever. A bucket that fails to compile is logged and stays
-        eager. `on_ready(bucket, seconds)` is called from the thread as each bucket switches to its graph.
+        eager. `on_ready(bucket, seconds)` is called from the thread as each bucket switches to its graph, `then()` once
+        every bucket is done (e.g. starting the prefill graphs' compile: one compile at a time on the CPU).
 
         On CUDA the capture needs the device to itself: do not call this there, use `warmup` (seconds).
         """
         if self.cuda:
             raise ConfigError("compile_in_background is for the CPU graph; on CUDA capture the buckets with warmup()")
         if self.background is not None:
-            raise RuntimeError("the decode buckets are already compiling in the background")
+            raise RuntimeError(f"the {self.NAME} graphs are already compiling in the background")
         todo = [N for N in (self.buckets if buckets is None else buckets) if N not in self.ready]
         threads = torch.get_num_threads()  # intra-op threads are per OS thread: the worker uses the caller's count
         self.background = threading.Thread(
-            target=self._compile_all, args=(todo, threads, on_ready), name="flashnext-decode-graph", daemon=True
+            target=self._compile_all,
+            args=(todo, threads, on_ready, then),
+            name=f"flashnext-{self.NAME}-graph",
+            daemon=True,
         )
         self.background.start()
         return self.background
 
-    def _compile_all(self, todo: list[int], threads: int, on_ready) -> None:
+    def _compile_all(self, todo: list[int], threads: int, on_ready, then) -> None:
         torch.set_num_threads(threads)
         start = time.perf_counter()
         for i, N in enumerate(todo, 1):
@@ -293,18 +308,20 @@ class DecodeGraph:
             try:
                 self._warm(N)
             except Exception:  # the engine keeps running this bucket's steps eager
-                log.exception("compiling decode bucket %d failed; its decode steps stay eager", N)
+                log.exception("compiling the %s step for %s %d failed; its steps stay eager", self.NAME, self.UNIT, N)
                 continue
             took = time.perf_counter() - t0
             log.info(
-                "decode bucket %d/%d (batch %d) compiled in %.1f s (%.1f s since start): its steps now run the graph",
-                i, len(todo), N, took, time.perf_counter() - start,
+                "%s graph %d/%d (%s %d) compiled in %.1f s (%.1f s since start): its steps now run the graph",
+                self.NAME, i, len(todo), self.UNIT, N, took, time.perf_counter() - start,
             )  # fmt: skip
             if on_ready is not None:
                 on_ready(N, took)
         done = [N for N in todo if N in self.ready]
-        log.info("decode graph: %d/%d buckets compiled in %.1f s %s", len(done), len(todo),
+        log.info("%s graph: %d/%d compiled in %.1f s %s", self.NAME, len(done), len(todo),
                  time.perf_counter() - start, done)  # fmt: skip
+        if then is not None:
+            then()
 
     def compiling(self) -> list[int]:
         """Buckets not compiled yet (all of them before a compile started)."""
@@ -317,7 +334,7 @@ class DecodeGraph:
         if bound is not None and bound.stamp == stamp:
             return bound(ids, slots, cached)
         if self._checked.get(N) == stamp and (N not in self._bound or bound is not None):
-            bound, logits = _BoundStep.bind(self._codes[N], self, stamp, ids, slots, cached)
+            bound, logits = BoundStep.bind(self._codes[N], self, stamp, ids, slots, cached)
             self._bound[N] = bound
             if logits is not None:
                 return logits
@@ -334,7 +351,7 @@ class DecodeGraph:
         stamp = self.layout.generation
         graph = self._captured.get(N)
         if graph is None or graph.stamp != stamp:
-            graph = self._captured[N] = _CapturedStep(self._step, N, self.cache.scratch_slot, self.device, stamp)
+            graph = self._captured[N] = CapturedStep(self._step, N, self.cache.scratch_slot, self.device, stamp)
             self.compiles += 1
         return graph(ids, slots, cached)
 
@@ -413,87 +430,3 @@ class _Layout:
         if self._seen is None or seen is None or not all(map(operator.is_, tensors, seen[0])) or addresses != seen[2]:
             self.generation += 1
         return True
-
-
-class _BoundStep:
-    """One bucket's compiled graph function with the tensors its dynamo entry passes it, called without dynamo.
-
-    `bind` runs the bucket's compiled entry that dynamo would choose for this step (the first whose guards pass;
-    the bytecode dynamo generated: it gathers parameters, fused weights and cache buffers from their modules and
-    calls the graph function) once, with the graph function swapped for a recorder in a copy of its globals; the
-    recorded arguments, with the step's three inputs replaced, are what every later call passes. Not bindable
-    (None, the bucket then stays on dynamo's path): no entry passing, or an entry doing more than calling one graph
-    function and returning one of its outputs.
-    """
-
-    def __init__(self, graph, args: list, where: list[int], out: int, stamp: int):
-        self.graph, self.args, self.where, self.out, self.stamp = graph, args, where, out, stamp
-
-    def __call__(self, ids, slots, cached) -> torch.Tensor:
-        args = self.args
-        args[self.where[0]], args[self.where[1]], args[self.where[2]] = ids, slots, cached
-        return self.graph(*args)[self.out]
-
-    @staticmethod
-    def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
-        """(the bound step or None, the logits of this step or None when it did not run). Dynamo's cache entries
-        are read through private APIs: should they change, the bucket stays on dynamo's path (logged once a bucket)."""
-        here = {"self": owner, "ids": ids, "slots": slots, "cached": cached}
-        try:
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            entry = next((e for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(here)), None)
-            names = [] if entry is None else [n for n in entry.code.co_names if n.startswith("__compiled_fn")]
-            if len(names) != 1 or _stores(entry.code):
-                return None, None
-            graph, seen = globals()[names[0]], []
-        except Exception:  # before the step ran: dynamo's path runs it
-            log.warning("cannot bind the compiled decode step; it keeps going through dynamo", exc_info=True)
-            return None, None
-
-        def record(*args):
-            seen.append((list(args), graph(*args)))
-            return seen[-1][1]
-
-        logits = types.FunctionType(entry.code, {**globals(), names[0]: record})(owner, ids, slots, cached)
-        args, outs = seen[0]
-        where = [next((i for i, a in enumerate(args) if a is x), None) for x in (ids, slots, cached)]
-        out = next((i for i, o in enumerate(outs) if o is logits), None)
-        if len(seen) != 1 or None in where or out is None:
-            return None, logits
-        return _BoundStep(graph, args, where, out, stamp), logits
-
-
-def _stores(code: types.CodeType) -> bool:
-    """Whether a dynamo entry writes anything but its own locals (an attribute, item or global: a side effect a
-    bound call would skip)."""
-    import dis
-
-    writes = ("STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR")
-    return any(i.opname in writes for i in dis.get_instructions(code))
-
-
-class _CapturedStep:
-    """One bucket's decode step captured as a CUDA graph; inputs are copied into its fixed input tensors."""
-
-    def __init__(self, fn, N: int, scratch_slot: int, device: torch.device, stamp: int):
-        self.stamp = stamp
-        self.ids = torch.zeros(N, dtype=torch.long, device=device)
-        self.slots = torch.full((N,), scratch_slot, dtype=torch.long, device=device)
-        self.cached = torch.zeros(N, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # lazy initialisation and allocator warm-up outside the capture
-            for _ in range(2):
-                fn(self.ids, self.slots, self.cached)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn(self.ids, self.slots, self.cached)
-
-    def __call__(self, ids, slots, cached) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.slots.copy_(slots)
-        self.cached.copy_(cached)
-        self.graph.replay()
-        return self.out

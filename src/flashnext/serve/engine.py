@@ -27,7 +27,9 @@ Decode graph (`decode_graph=True`): a decode-only step (every entry one token pa
 MRoPE, no speculating request) runs as `serve.decode_graph.DecodeGraph`'s fixed-shape step, compiled (CPU) or
 captured (CUDA) once per batch bucket; every other step (prefill chunks, speculative draft/verify steps) stays
 eager, and so does a decode step whose bucket is still compiling in the background (`compile_in_background`).
-Its logits are the eager step's to float rounding (tested).
+On CPU, a step holding one request's plain prompt chunk runs as compiled pieces (`ChunkGraph`) once their
+lengths are compiled (`engine.chunk_graph.warmup()`, or `serve`'s background compile after the decode buckets).
+Their logits are the eager step's to float rounding (tested).
 
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
@@ -70,6 +72,7 @@ import torch
 
 from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
+from flashnext.serve.chunk_graph import ChunkGraph
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.intake import Intake, check_speculative
 from flashnext.serve.model_step import ModelStep
@@ -106,6 +109,8 @@ class Engine:
         decode_graph: run decode-only steps as the compiled (CPU) / captured (CUDA) fixed-shape step of
             `serve.decode_graph` (prefill and speculative steps stay eager); False: every step eager.
         decode_buckets: the batch sizes decode steps are padded to (default `decode_graph.DEFAULT_BUCKETS`).
+        prefill_lengths: CPU with `decode_graph`: the piece lengths of the compiled batch-1 prompt chunks
+            (`chunk_graph.ChunkGraph`; default `chunk_graph.CHUNK_LENGTHS`; empty: none, prefill stays eager).
         compile_backend: torch.compile backend of the CPU decode graph ("inductor").
         prefix_cache: reuse the state of prompt prefixes seen before (`serve.prefix_cache`); False: prefill every
             prompt whole.
@@ -126,6 +131,7 @@ class Engine:
         num_speculative_tokens: int | str = 0,
         decode_graph: bool = False,
         decode_buckets: Sequence[int] | None = None,
+        prefill_lengths: Sequence[int] | None = None,
         compile_backend: str = "inductor",
         prefix_cache: bool = True,
         prefix_cache_mb: float = DEFAULT_BUDGET_MB,
@@ -163,9 +169,14 @@ class Engine:
             self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then
         graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
         self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
+        # batch-1 prompt chunks as compiled pieces (CPU), used once a length is compiled (warmup / background)
+        chunks = decode_graph and self.device.type == "cpu" and (prefill_lengths is None or len(prefill_lengths) > 0)
+        self.chunk_graph = ChunkGraph(self.model, self.cache, prefill_lengths, compile_backend) if chunks else None
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
         self.max_prompt_bytes = self.intake.max_prompt_bytes  # a longer text prompt is refused before tokenizing
-        self.model_step = ModelStep(self.model, self.cache, self.device, self.speculator, self.decode_graph)
+        self.model_step = ModelStep(
+            self.model, self.cache, self.device, self.speculator, self.decode_graph, self.chunk_graph
+        )
         self.outcomes = Outcomes(self.scheduler, self.sampler, self.stats, self.speculator)  # records, ends, notifies
 
     # ---- requests ------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 `ModelStep(plan)` runs the (request, tokens to feed) pairs `serve.scheduler` planned as one flat stream:
 - the decode graph (`serve.decode_graph`), compiled (CPU) / captured (CUDA): a decode-only step without
   speculation, MRoPE or routing, once its batch bucket is ready;
+- the prefill graphs (`serve.chunk_graph.ChunkGraph`, CPU): a step holding only one request's plain prompt chunk
+  (`prefill_only`), once the lengths that make it up are compiled;
 - the speculative step (`serve.speculative.Speculator.forward`): a step where a request carries MTP drafts;
 - else the eager `forward_step` (prefill chunks, mixed steps), with the prompt positions whose log-probs were
   asked (`serve.prompt_logprobs`) and the embeddings of image prompts (the vision tower runs once per request).
@@ -15,6 +17,7 @@ import torch
 from flashnext.model.state import VERIFY, make_step
 from flashnext.serve import prompt_logprobs
 from flashnext.serve.cache import StateCache
+from flashnext.serve.chunk_graph import ChunkGraph, prefill_only
 from flashnext.serve.decode_graph import DecodeGraph, decode_only
 from flashnext.serve.request import Request
 from flashnext.serve.speculative import Speculator
@@ -26,13 +29,20 @@ class ModelStep:
     """The model's forward for a step plan: eager, decode graph or speculative (see the module doc)."""
 
     def __init__(
-        self, model, cache: StateCache, device, speculator: Speculator | None, decode_graph: DecodeGraph | None
+        self,
+        model,
+        cache: StateCache,
+        device,
+        speculator: Speculator | None,
+        decode_graph: DecodeGraph | None,
+        chunk_graph: ChunkGraph | None = None,
     ):
         self.model = model
         self.cache = cache
         self.device = device
         self.speculator = speculator
         self.decode_graph = decode_graph
+        self.chunk_graph = chunk_graph
 
     def __call__(self, plan: list[tuple[Request, int]]):
         """One `forward_step` over the plan's stream: logits [entries.., V] of every entry's last token, or, when a
@@ -46,6 +56,9 @@ class ModelStep:
                 [req.num_cached for req, _ in plan],
             )  # fmt: skip
             return logits, None, None
+        if self.chunk_graph is not None and prefill_only(plan) and self.chunk_graph.ready_for(plan[0][1]):
+            req, n = plan[0]
+            return self.chunk_graph.prefill(req.pending_ids(n), req.slot, req.num_cached), None, None
         ids, cu, slots, cached = [], [0], [], []
         for req, n in plan:
             chunk = req.pending_ids(n) + req.drafts

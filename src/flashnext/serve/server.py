@@ -209,7 +209,11 @@ class Routes:
         graph = self.engine.decode_graph
         if graph is None:
             return {"status": "ok"}
-        return {"status": "ok", "decode_graph": {"compiled": sorted(graph.ready), "pending": graph.compiling()}}
+        out = {"status": "ok", "decode_graph": {"compiled": sorted(graph.ready), "pending": graph.compiling()}}
+        chunks = self.engine.chunk_graph  # the prefill chunk lengths (CPU), compiled after the decode buckets
+        if chunks is not None:
+            out["prefill_graph"] = {"compiled": sorted(chunks.ready), "pending": chunks.compiling()}
+        return out
 
     def _card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "flashnext"}
