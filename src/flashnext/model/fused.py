@@ -66,7 +66,11 @@ def linear(
 
 
 def _gemm(x, weight, bias, fused: bool, contiguous: bool) -> torch.Tensor:
-    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS:
+    """`F.linear`, or for a few rows on CPU `(W @ x.T).T` (MKL's small-M GEMM reads cold weights faster that way),
+    except inside a compiled graph: there inductor lays `x` out transposed to feed that product, and its other
+    readers (the routed experts' sums) then gather x's rows across a stride (measured on the bench config, fp32,
+    1 thread: a 32-token prefill graph 26.8 -> 23.4 ms, a batch-16 decode graph 17.2 -> 16.3 ms with `F.linear`)."""
+    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or _compiling():
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
