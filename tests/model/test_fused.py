@@ -196,7 +196,7 @@ def test_compiled_group_product_on_a_cpu_without_bf16_instructions_is_an_fp32_ge
     group.build()
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     (a, b), ops, inputs = _graph_ops(lambda x: group(x, fused=True), x)
-    assert any("linear" in op for op in ops) and not any("sum" in op for op in ops), ops  # a GEMM, no sum
+    assert any(" mm " in op for op in ops) and not any("sum" in op for op in ops), ops  # torch.mm, no sum
     weights = [t for t in inputs if isinstance(t, torch.Tensor) and t.shape == (48, 64)]  # the fused weight
     assert weights and all(t.dtype == torch.float32 for t in weights), [(t.shape, t.dtype) for t in weights]
     for got, m in ((a, mods[0]), (b, mods[1])):  # fp32 sums of 64 terms in another order, one rounding each
@@ -359,3 +359,16 @@ def test_watch_rebuilds_exactly_the_changed_groups():
     assert watch.refresh() == 1
     check()
     assert watch.refresh() == 0
+
+
+@pytest.mark.parametrize(("rows", "op"), [(4, " mm "), (16, "linear")])
+def test_compiled_products_above_the_reduced_rows_are_plain_linears(monkeypatch, rows, op):
+    """Inside a compiled graph a product of more than `REDUCED_ROWS` rows is `F.linear` (x row-major, as every other
+    reader of x wants it), and of fewer rows (a bf16 product on a CPU without bf16 instructions) the transposed
+    `W @ x.T`; both equal `F.linear` to fp32 rounding."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, False)
+    w = torch.randn(48, 64)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    y, ops, _ = _graph_ops(lambda x: fused.linear(x, w.to(torch.bfloat16), fused=True), x)
+    assert any(op in o for o in ops), ops
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.bfloat16().float()), rtol=2**-7, atol=1e-2)

@@ -67,10 +67,13 @@ def linear(
 
 def _gemm(x, weight, bias, fused: bool, contiguous: bool) -> torch.Tensor:
     """`F.linear`, or for a few rows on CPU `(W @ x.T).T` (MKL's small-M GEMM reads cold weights faster that way),
-    except inside a compiled graph: there inductor lays `x` out transposed to feed that product, and its other
-    readers (the routed experts' sums) then gather x's rows across a stride (measured on the bench config, fp32,
-    1 thread: a 32-token prefill graph 26.8 -> 23.4 ms, a batch-16 decode graph 17.2 -> 16.3 ms with `F.linear`)."""
-    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or _compiling():
+    except inside a compiled graph above `REDUCED_ROWS` rows: there inductor lays `x` out transposed to feed that
+    product, and its other readers (the routed experts' sums) then gather x's rows across a stride (bench config,
+    1 thread, CPU time, with `F.linear`: fp32 32-token prefill graph 26.8 -> 23.4 ms, batch-16 decode graph 17.2 ->
+    16.3 ms; bf16 on an AVX2 CPU 32.8 -> 31.8 and 19.2 -> 19.3 ms). At 2-8 rows (bf16 upcast there, `reduces`)
+    the transposed product stays: a batch-4 decode graph 7.8 ms against 8.3-8.8 with `F.linear`."""
+    late = x.dim() == 2 and x.shape[0] > REDUCED_ROWS and _compiling()
+    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or late:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
