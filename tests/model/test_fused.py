@@ -361,10 +361,10 @@ def test_watch_rebuilds_exactly_the_changed_groups():
     assert watch.refresh() == 0
 
 
-@pytest.mark.parametrize(("rows", "op"), [(4, " mm "), (16, "linear")])
-def test_compiled_products_above_the_reduced_rows_are_plain_linears(monkeypatch, rows, op):
-    """Inside a compiled graph a product of more than `REDUCED_ROWS` rows is `F.linear` (x row-major, as every other
-    reader of x wants it), and of fewer rows (a bf16 product on a CPU without bf16 instructions) the transposed
+@pytest.mark.parametrize(("rows", "op"), [(4, " mm "), (16, " mm "), (32, "linear")])
+def test_compiled_products_above_graph_row_major_are_plain_linears(monkeypatch, rows, op):
+    """Inside a compiled graph a product of more than `GRAPH_ROW_MAJOR` rows is `F.linear` (x row-major, as every
+    other reader of x wants it), of fewer rows (a bf16 product on a CPU without bf16 instructions) the transposed
     `W @ x.T`; both equal `F.linear` to fp32 rounding."""
     monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, False)
     w = torch.randn(48, 64)

@@ -45,6 +45,7 @@ from torch import nn
 
 SKINNY_ROWS = 64  # inputs with at most this many rows use `W @ x.T` on the fused path
 REDUCED_ROWS = 8  # inside a compiled graph, inputs with at most this many rows use `reduced_linear`
+GRAPH_ROW_MAJOR = 16  # inside a compiled graph, inputs with more rows use `F.linear` (see `_gemm`)
 FP32_COPY_MAX = 1 << 18  # a CPU bf16/fp16 weight up to this many elements keeps an fp32 copy; rows x elements bound
 SINGLE = "_fused_single"  # attribute of an `nn.Linear` holding its one-member `Group` (set by `prepare`)
 
@@ -67,12 +68,12 @@ def linear(
 
 def _gemm(x, weight, bias, fused: bool, contiguous: bool) -> torch.Tensor:
     """`F.linear`, or for a few rows on CPU `(W @ x.T).T` (MKL's small-M GEMM reads cold weights faster that way),
-    except inside a compiled graph above `REDUCED_ROWS` rows: there inductor lays `x` out transposed to feed that
-    product, and its other readers (the routed experts' sums) then gather x's rows across a stride (bench config,
-    1 thread, CPU time, with `F.linear`: fp32 32-token prefill graph 26.8 -> 23.4 ms, batch-16 decode graph 17.2 ->
-    16.3 ms; bf16 on an AVX2 CPU 32.8 -> 31.8 and 19.2 -> 19.3 ms). At 2-8 rows (bf16 upcast there, `reduces`)
-    the transposed product stays: a batch-4 decode graph 7.8 ms against 8.3-8.8 with `F.linear`."""
-    late = x.dim() == 2 and x.shape[0] > REDUCED_ROWS and _compiling()
+    except inside a compiled graph above `GRAPH_ROW_MAJOR` rows: there inductor lays `x` out transposed to feed that
+    product, and its other readers (the routed experts' sums) then gather x's rows across a stride. Bench config,
+    fp32, `F.linear` against the transposed product in graphs: a 32-token prefill graph 26.8 -> 23.4 ms (1 thread,
+    CPU time) and 17.8 -> 16.9 ms (2 threads, wall); a batch-16 decode graph 17.2 -> 16.3 ms at 1 thread but
+    9.9-10.9 -> 10.7-12.7 ms at 2 threads (bf16 upcast on an AVX2 CPU 12.3 -> 13.8), hence the bound."""
+    late = x.dim() == 2 and x.shape[0] > GRAPH_ROW_MAJOR and _compiling()
     if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or late:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
