@@ -51,8 +51,9 @@ class ChunkGraph(DecodeGraph):
     ready (`ready`), and a prefill whose pieces are not all ready runs eager (a minute of compiling per length on a
     2-core CPU would otherwise stall the step that first needed it). CPU only (on CUDA prefill stays eager).
 
-    Measured (bench config of `benchmarks/vs_llamacpp.py`, fp32, a 32-token prompt, 1 thread, CPU time): 27.8 ms
-    compiled against 41.0 ms eager (`benchmarks/RESULTS.md`).
+    Measured (bench config of `benchmarks/vs_llamacpp.py`, fp32, a 32-token prompt, 1 thread, CPU time): 23.4 ms
+    compiled against 41.0 ms eager (`benchmarks/RESULTS.md`); at batch 1 its prefill went from 0.47-0.64x of
+    llama.cpp's to 1.04-1.28x.
     """
 
     NAME, UNIT = "prefill", "length"
