@@ -141,8 +141,8 @@ class BlockPlan(NamedTuple):
 
     Attributes:
         slot, block: int64 [B] each block's slot and index; cos, sin: [B, R] rotated at its first position.
-        done: static steps: bool [B], whether entry i's block completes in this step (a static step plans one
-            candidate block per entry and rewrites the others unchanged); None otherwise.
+        done: static steps: bool [B], whether each candidate block completes in this step (a static step plans
+            ceil(L / c) candidates per entry and rewrites the others unchanged); None otherwise.
         most: host int, the most complete blocks any query of the step sees (a static step scores every block row
             of the cache instead).
     """
