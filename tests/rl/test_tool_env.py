@@ -42,11 +42,11 @@ class Scripted:
     def __call__(self, logits, reqs):
         tokens, chosen, top, errors = self.sample(logits, reqs)
         for i, req in enumerate(reqs):
-            if id(req) not in self.ids:
+            if id(req) not in self.ids:  # the request held with its script: a freed one's id could be reused
                 prompt = self.tok.decode(req.prompt_ids, skip_special_tokens=False)
-                self.ids[id(req)] = self.script(prompt, req.index)
-                self.turns.append(self.ids[id(req)])
-            script = self.ids[id(req)]
+                self.ids[id(req)] = (req, self.script(prompt, req.index))
+                self.turns.append(self.ids[id(req)][1])
+            script = self.ids[id(req)][1]
             tokens[i] = script[min(len(req.output_ids), len(script) - 1)]
             if chosen is not None:
                 chosen[i] = -1.0  # a recognisable log-prob for the sampled (scripted) tokens

@@ -46,7 +46,9 @@ class ScriptedReplies:
     def __init__(self, engine: Engine, reply):
         self.tok, self.reply, self.prompts = engine.tokenizer, reply, []
         self.sample, self.end = engine.sampler.sample, engine.tokenizer.encode("<|im_end|>")[0]
-        self.ids: dict[int, list[int] | None] = {}
+        # keyed by id(), the request held alongside: a freed request's id could be reused by a later one, which
+        # would then replay the old script and go unrecorded
+        self.ids: dict[int, tuple[object, list[int] | None]] = {}
         engine.sampler.sample = self
 
     def __call__(self, logits, reqs):
@@ -55,10 +57,10 @@ class ScriptedReplies:
             if id(req) not in self.ids:
                 prompt = self.tok.decode(req.prompt_ids, skip_special_tokens=False)
                 text = self.reply(prompt)
-                self.ids[id(req)] = None if text is None else self.tok.encode(text) + [self.end]
+                self.ids[id(req)] = (req, None if text is None else self.tok.encode(text) + [self.end])
                 if text is not None:
                     self.prompts.append(prompt)
-            script = self.ids[id(req)]
+            script = self.ids[id(req)][1]
             if script is not None:
                 tokens[i] = script[min(len(req.output_ids), len(script) - 1)]
         return tokens, chosen, top, errors
