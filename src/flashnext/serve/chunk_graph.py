@@ -13,27 +13,18 @@ import torch
 
 from flashnext.errors import ConfigError
 from flashnext.model.state import make_chunk_step
-from flashnext.serve.decode_graph import DecodeGraph
+from flashnext.serve.decode_graph import DecodeGraph, plain
 
 CHUNK_LENGTHS = (1, 2, 4, 8, 16, 32, 64)  # `ChunkGraph`'s piece lengths: any prompt chunk is a sum of them
 
 
 def prefill_only(plan) -> bool:
-    """Whether an engine plan is one request's plain prompt chunk the prefill graphs can run: one entry, tokens of
-    its prompt still to prefill, no MRoPE positions (image prompts), no speculation (its MTP head needs every
-    token's residual), no routing record and no prompt log-probs (both need every token's row)."""
+    """Whether an engine plan is one request's prompt chunk the prefill graphs can run: one entry, tokens of its
+    prompt still to prefill, the request `decode_graph.plain`, and no prompt log-probs (they need every row)."""
     if len(plan) != 1:
         return False
     req, n = plan[0]
-    return (
-        n >= 1
-        and req.num_cached < len(req.prompt_ids)
-        and req.mrope is None
-        and not req.spec_k
-        and not req.drafts
-        and not req.params.return_routed_experts
-        and req.prompt_logprobs is None
-    )
+    return n >= 1 and req.num_cached < len(req.prompt_ids) and plain(req) and req.prompt_logprobs is None
 
 
 class ChunkGraph(DecodeGraph):

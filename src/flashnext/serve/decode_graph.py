@@ -105,19 +105,16 @@ def use_compile_cache(path: str | None = None) -> str:
 
 def decode_only(plan) -> bool:
     """Whether an engine plan [(request, tokens)] is a decode-only step the graph can run: one token per request,
-    every prompt prefilled, no MRoPE positions (an image prompt's blocks rotate at positions from its table), and no
-    speculating request (its step verifies drafts riding along and needs the trunk's residual for its MTP head:
-    `serve.speculative`'s eager path), and no request recording its routed experts (RL router replay: the graph
-    returns logits only)."""
-    return all(
-        n == 1
-        and req.num_cached >= len(req.prompt_ids)
-        and req.mrope is None
-        and not req.spec_k
-        and not req.drafts
-        and not req.params.return_routed_experts
-        for req, n in plan
-    )
+    every prompt prefilled, and every request `plain`."""
+    return all(n == 1 and req.num_cached >= len(req.prompt_ids) and plain(req) for req, n in plan)
+
+
+def plain(req) -> bool:
+    """Whether a request's step can run as a compiled graph, which returns logits only: no MRoPE positions (an
+    image prompt's blocks rotate at positions from its table), no speculation (its step verifies drafts riding
+    along and needs the trunk's residual for its MTP head: `serve.speculative`'s eager path), and no routing record
+    (RL router replay)."""
+    return req.mrope is None and not req.spec_k and not req.drafts and not req.params.return_routed_experts
 
 
 class DecodeGraph:
