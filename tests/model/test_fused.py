@@ -372,3 +372,31 @@ def test_compiled_products_above_graph_row_major_are_plain_linears(monkeypatch, 
     y, ops, _ = _graph_ops(lambda x: fused.linear(x, w.to(torch.bfloat16), fused=True), x)
     assert any(op in o for o in ops), ops
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.bfloat16().float()), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_cpu", "avx2_cpu"])
+def test_compiled_ngram_lookup_feeding_a_reduced_product_is_embedding_bag(small_config, native, monkeypatch):
+    """Inside a compiled inference graph, the n-gram rows of a 16-bit table whose PLE product will reduce
+    (`fused.reduced`: one row on a CPU without bf16 instructions, up to `REDUCED_ROWS` with them) are read by
+    `embedding_bag` (a kernel of its own; inductor inlined `embedding` into the product's loop); elsewhere by
+    the table module. Either way the rows themselves, bitwise (a gather; one row summed onto zero)."""
+    from flashnext.config import parse_config
+    from flashnext.model.ngram import NGramEmbedding
+
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+    torch.manual_seed(0)
+    emb = NGramEmbedding(parse_config(small_config).text, 0)
+    n = emb.ngram_embedding.num_embeddings
+    for dtype in (torch.bfloat16, torch.float32):
+        emb.to(dtype)
+        for T in (1, 3, fused.REDUCED_ROWS + 1):
+            rows = torch.randint(0, n, (T, emb.num_heads))
+            got, ops, _ = _graph_ops(emb._lookup, rows)
+            assert torch.equal(got, emb.ngram_embedding(rows))
+            bag = dtype == torch.bfloat16 and T <= (fused.REDUCED_ROWS if native else 1)
+            assert any("embedding_bag" in op for op in ops) == bag, (dtype, T, ops)
+    with torch.enable_grad():  # a training graph keeps the module call (its backward, hooks)
+        graphs = []
+        torch._dynamo.reset()
+        torch.compile(emb._lookup, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(rows[:1])
+        assert not any("embedding_bag" in str(nd.target) for nd in graphs[0].graph.nodes)

@@ -87,9 +87,14 @@ def reduces(x: torch.Tensor) -> bool:
     a compiled graph; one row where the CPU lacks its dtype's instructions (`upcasts`: the generated loop converts
     the weight again for every row, an fp32 GEMM on the upcast weight converts it once: a batch-4 bf16 decode step
     7.5 -> 6.2 ms on an AVX2 EPYC, 2 threads, where fp32's takes 6.4)."""
-    if not _compiling() or x.device.type != "cpu" or x.dim() != 2:
+    return x.dim() == 2 and reduced(x.shape[0], x.dtype, x.device)
+
+
+def reduced(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """`reduces` for an input of `rows` rows of `dtype` on `device` (a product's input not built yet)."""
+    if not _compiling() or device.type != "cpu":
         return False
-    return x.shape[0] <= (1 if upcasts(x) else REDUCED_ROWS)
+    return rows <= (REDUCED_ROWS if NATIVE_GEMM.get(dtype, True) else 1)
 
 
 def _native(*probes: str) -> bool:
