@@ -119,7 +119,7 @@ class NGramEmbedding(nn.Module):
         dtype's instructions), a plain table is read through `embedding_bag` (one row per bag, summed: the row
         itself), a kernel of its own: inductor inlined `embedding`'s gather into that product's loop, gathering the
         rows again for each of its 768 outputs through 16-lane index vectors spilled to the stack. Bench config,
-        bf16 batch-1 decode graph, 2 threads, AVX2: 2.20 -> 1.91 ms. Not elsewhere: at fp32 batch 1 and bf16
+        bf16 batch-1 decode graph, 2 threads, AVX2: 2.22-2.27 -> 1.88-1.91 ms. Not elsewhere: at fp32 batch 1 and bf16
         batch 4 the extra kernel measured slower (2.12-2.18 against 2.21-2.26 ms; 5.36 against 5.63 ms)."""
         table = self.ngram_embedding
         w = table.weight if type(table) is nn.Embedding else None
