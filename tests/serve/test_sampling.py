@@ -106,6 +106,22 @@ def test_rows_are_isolated():
         assert int(tokens[i]) == int(alone[0])
 
 
+def test_greedy_rows_alone_take_the_max_of_the_logits_as_they_are():
+    """A step of greedy rows without log-probs reads the max of bf16 logits without an fp32 copy: the same tokens
+    as the fp32 path (the copy is exact), the first of tied maxima, FAILED for NaN / +inf / all -inf rows."""
+    logits = _logits(6, seed=3).bfloat16()
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index
+    logits[2, 3], logits[3, 8] = math.nan, math.inf
+    logits[4] = -math.inf
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    tokens, logprobs = sample(logits, greedy, [None] * 6, with_logprobs=False)
+    assert logprobs is None
+    first, last = (int(logits[i].float().argmax()) for i in (0, 5))
+    assert tokens.tolist() == [first, 5, FAILED, FAILED, FAILED, last]
+    full, _ = sample(logits, greedy, [None] * 6)  # with log-probs: through the fp32 copy
+    assert torch.equal(tokens, full)
+
+
 def test_sampling_errors_are_reported_per_row():
     """An exception while sampling one row (here: its generator is not a generator) fails that row, with the
     reason, and no other."""

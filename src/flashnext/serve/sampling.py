@@ -217,7 +217,8 @@ def sample(
         [n, V]: per row as its `logprobs_mode` says (raw: `log_softmax` of the logits, the model's distribution;
         processed: `temperature_logprobs` at the row's temperature, the distribution it was sampled from).
     """
-    logits = logits.float()
+    if with_logprobs or not all(p.greedy for p in params):  # greedy rows alone: the max of the logits as they are
+        logits = logits.float()
     logprobs = mode_logprobs(logits, params) if with_logprobs else None
     # max (not argmax): the same one reduction gives the greedy token and, through the maximum, whether the row
     # is usable (NaN propagates into it, +inf is it).
@@ -233,7 +234,8 @@ def sample(
             failed.append(i)
             if errors is not None:
                 errors[i] = f"sampling failed: {type(e).__name__}: {e}"
-    tokens = tokens.masked_fill(~torch.isfinite(maxes), FAILED)
+    # on the host: one copy of n floats instead of three tensor ops per step (isfinite, not, masked_fill)
+    failed += [i for i, m in enumerate(maxes.tolist()) if not math.isfinite(m)]
     if failed:
         tokens[failed] = FAILED
     return tokens, logprobs
