@@ -62,21 +62,25 @@ def linear(
         return reduced_linear(x, weight, bias)
     if fused and upcasts(x):
         b = None if bias is None else bias.float()
-        return _gemm(x.float(), weight.float(), b, fused, contiguous).to(x.dtype)
+        return _gemm(x.float(), weight.float(), b, fused, contiguous, private=True).to(x.dtype)
     return _gemm(x, weight, bias, fused, contiguous)
 
 
-def _gemm(x, weight, bias, fused: bool, contiguous: bool) -> torch.Tensor:
+def _gemm(x, weight, bias, fused: bool, contiguous: bool, private: bool = False) -> torch.Tensor:
     """`F.linear`, or for a few rows on CPU `(W @ x.T).T` (MKL's small-M GEMM reads cold weights faster that way),
     except inside a compiled graph above `GRAPH_ROW_MAJOR` rows: there inductor lays `x` out transposed to feed that
     product, and its other readers (the routed experts' sums) then gather x's rows across a stride. Bench config,
     fp32, `F.linear` against the transposed product in graphs: a 32-token prefill graph 26.8 -> 23.4 ms (1 thread,
     CPU time) and 17.8 -> 16.9 ms (2 threads, wall); a batch-16 decode graph 17.2 -> 16.3 ms at 1 thread but
-    9.9-10.9 -> 10.7-12.7 ms at 2 threads (bf16 upcast on an AVX2 CPU 12.3 -> 13.8), hence the bound."""
+    9.9-10.9 -> 10.7-12.7 ms at 2 threads (bf16 upcast on an AVX2 CPU 12.3 -> 13.8), hence the bound.
+
+    `private`: `x` is this product's own (an fp32 upcast of a 16-bit input), read by nothing else; above the bound
+    it keeps `W @ x.T`, x transposed by a copy of its own: a bf16 32-token prefill graph on an AVX2 CPU, 2 threads,
+    21.2-21.3 -> 19.8-20.0 ms (letting inductor lay the upcast out transposed instead: 20.4-20.5)."""
     late = x.dim() == 2 and x.shape[0] > GRAPH_ROW_MAJOR and _compiling()
-    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or late:
+    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or (late and not private):
         return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t()
+    y = torch.mm(weight, x.t().contiguous() if late else x.t()).t()
     if bias is not None:
         y = y + bias
     return y.contiguous() if contiguous else y
@@ -195,7 +199,7 @@ class Group:
             and not reduces(x)
             and (upcasts(x) or x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX)
         ):
-            y = _gemm(x.float(), *fp32, fused=True, contiguous=False).to(x.dtype)  # a GEMM, not a reduction
+            y = _gemm(x.float(), *fp32, True, False, private=x.dtype != torch.float32).to(x.dtype)  # a GEMM
             return y.contiguous() if contiguous else y
         _, _, weight, bias, _ = self._built
         return linear(x, weight, bias, fused=True, contiguous=contiguous)
