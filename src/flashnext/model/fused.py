@@ -199,7 +199,8 @@ class Group:
             and not reduces(x)
             and (upcasts(x) or x.shape[0] * fp32[0].numel() <= FP32_COPY_MAX)
         ):
-            y = _gemm(x.float(), *fp32, True, False, private=x.dtype != torch.float32).to(x.dtype)  # a GEMM
+            private = x.dtype != torch.float32  # x.float() is a new tensor, this product's alone
+            y = _gemm(x.float(), *fp32, fused=True, contiguous=False, private=private).to(x.dtype)  # a GEMM
             return y.contiguous() if contiguous else y
         _, _, weight, bias, _ = self._built
         return linear(x, weight, bias, fused=True, contiguous=contiguous)
