@@ -96,6 +96,28 @@ def test_engine_decode_graph_recompiles_nothing_in_steady_state(model):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), **TOL)
 
 
+def test_greedy_steps_of_the_graph_carry_its_row_maxima(model):
+    """Greedy requests without log-probs: every decode graph step's logits carry the graph's row maxima (which
+    sampling takes for them: `tests/serve/test_sampling.py`), and the tokens equal the eager engine's."""
+    prompts = _prompts(3, 8)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 7)]
+    kwargs = dict(max_slots=4, max_model_len=48, max_num_batched_tokens=8)
+    eager = Engine(model, **kwargs).generate(prompts, params)
+    engine = Engine(model, **kwargs, decode_graph=True, decode_buckets=[4], compile_backend="eager")
+    carried, run = [], engine.decode_graph.run
+
+    def spy(ids, slots, cached):
+        logits = run(ids, slots, cached)
+        maxes, tokens = vars(logits)["row_maxima"]
+        carried.append(torch.equal(tokens, logits.argmax(-1)) and torch.equal(maxes, logits.amax(-1)))
+        return logits
+
+    engine.decode_graph.run = spy
+    got = engine.generate(prompts, params)
+    assert len(carried) >= 6 and all(carried)
+    assert [g.token_ids for g in got] == [e.token_ids for e in eager]
+
+
 def _graph_and_eager(model, seed: int):
     """A bucket-2 graph over two prefilled slots, and `step_both()`: (compiled logits, eager logits) of one decode
     step from the same saved state (the cache restored before each)."""
@@ -173,7 +195,7 @@ def test_bound_steps_skip_dynamo_and_equal_the_guarded_call(model):
         cache = graph.cache
         start = [b.clone() for b in cache.buffers()]
         guarded = graph._compiled[2]
-        via_dynamo = guarded(*graph._inputs([7, 8], [0, 1], [9, 9], 2)).clone()
+        via_dynamo = guarded(*graph._inputs([7, 8], [0, 1], [9, 9], 2))[0].clone()
         after_dynamo = [b.clone() for b in cache.buffers()]
         for b, s in zip(cache.buffers(), start, strict=True):
             b.copy_(s)

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from flashnext.errors import InputError
-from flashnext.serve.sampling import FAILED, INT64_MAX, INT64_MIN, SamplingParams, choice_seed, sample
+from flashnext.serve.sampling import (
+    FAILED,
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    attach_maxima,
+    choice_seed,
+    drop_maxima,
+    sample,
+)
 
 V = 50
 
@@ -120,6 +129,48 @@ def test_greedy_rows_alone_take_the_max_of_the_logits_as_they_are():
     assert tokens.tolist() == [first, 5, FAILED, FAILED, FAILED, last]
     full, _ = sample(logits, greedy, [None] * 6)  # with log-probs: through the fp32 copy
     assert torch.equal(tokens, full)
+
+
+def test_greedy_rows_alone_take_the_maxima_their_logits_carry():
+    """Logits carrying row maxima (a compiled decode step's, `attach_maxima`): greedy rows alone take them (here
+    deliberately not the logits' own, to see which were read), their FAILED rows without writing into them; a
+    sampled row, log-probs, a row subset or dropped maxima (`drop_maxima`, masking in place) read the logits."""
+    logits = _logits(3, seed=4)
+    own = logits.max(-1)
+    maxes, tokens = torch.tensor([1.0, math.nan, 2.0]), torch.tensor([7, 8, 9])
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    got, _ = sample(attach_maxima(logits, maxes, tokens), greedy, [None] * 3, with_logprobs=False)
+    assert got.tolist() == [7, FAILED, 9] and tokens.tolist() == [7, 8, 9]
+    assert torch.equal(sample(logits, greedy, [None] * 3)[0], own.indices)  # with log-probs
+    mixed = [*greedy[:2], SamplingParams(temperature=1.0, seed=1)]
+    assert (
+        sample(logits, mixed, [None, None, torch.Generator().manual_seed(1)])[0][:2].tolist()
+        == own.indices[:2].tolist()
+    )
+    assert torch.equal(sample(logits[:2], greedy[:2], [None] * 2, with_logprobs=False)[0], own.indices[:2])
+    drop_maxima(logits)
+    assert torch.equal(sample(logits, greedy, [None] * 3, with_logprobs=False)[0], own.indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_row_maxima_equal_the_eager_ones(dtype):
+    """The maxima a compiled decode step carries (inductor's max over the vocabulary, as `DecodeGraph._step` takes
+    it) equal eager `max(-1)`'s bit for bit, values and indices: the first of tied maxima, NaN and +inf rows.
+    A maximum is one of the inputs and the index a comparison: exact by construction, no tolerance."""
+    import functools
+
+    from torch._inductor.compile_fx import compile_fx
+
+    from flashnext.serve.decode_graph import INDUCTOR_PATCHES
+
+    logits = _logits(5, seed=5).to(dtype)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1
+    logits[2, 3], logits[3, 8] = math.nan, math.inf
+    backend = functools.partial(compile_fx, config_patches=INDUCTOR_PATCHES)
+    got = torch.compile(lambda x: x.max(-1), backend=backend, fullgraph=True, dynamic=False)(logits)
+    want = logits.max(-1)
+    assert torch.equal(got[1], want.indices)
+    torch.testing.assert_close(got[0], want.values, rtol=0, atol=0, equal_nan=True)
 
 
 def test_sampling_errors_are_reported_per_row():

@@ -61,6 +61,7 @@ from flashnext.errors import ConfigError
 from flashnext.model import fused
 from flashnext.model.state import make_decode_step
 from flashnext.serve.graph_calls import BoundStep, CapturedStep
+from flashnext.serve.sampling import attach_maxima
 
 log = logging.getLogger("flashnext.serve")
 
@@ -187,10 +188,12 @@ class DecodeGraph:
     def _sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
         return bucket_sizes(buckets, max_slots)
 
-    def _step(self, ids: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-        """The static decode step: ids, slots, cached int64 [N] -> logits [N, V] (padding rows included)."""
+    def _step(self, ids: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The static decode step: ids, slots, cached int64 [N] -> logits [N, V] (padding rows included), their
+        row maxima and first indices [N] (for greedy sampling: `serve.sampling.attach_maxima`)."""
         step = make_decode_step(slots, cached, self.cache.scratch_slot)
-        return self.model.forward_step(ids, step, self.cache)
+        logits = self.model.forward_step(ids, step, self.cache)
+        return logits, *logits.max(-1)
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding n entries (None: more than the largest)."""
@@ -228,8 +231,8 @@ class DecodeGraph:
             raise RuntimeError(f"decode bucket {N} is still compiling in the background; run this step eager")
         if self.layout.check():  # weights changed since the last step are seen by this one
             self.watch.refresh()
-        logits = self._call(N, *self._inputs(ids, slots, cached, N))
-        return logits[:n]
+        logits, maxes, tokens = self._call(N, *self._inputs(ids, slots, cached, N))
+        return attach_maxima(logits[:n], maxes[:n], tokens[:n])
 
     def _inputs(self, ids: list[int], slots: list[int], cached: list[int], N: int) -> tuple[torch.Tensor, ...]:
         """ids, slots, cached padded to N entries (padding: token 0 at row 0 of the scratch slot), on the device.
@@ -250,18 +253,18 @@ class DecodeGraph:
         a_ids[n:], a_slots[n:], a_cached[n:] = 0, self.cache.scratch_slot, 0
         return tensors
 
-    def _call(self, N: int, ids_t, slots_t, cached_t) -> torch.Tensor:
-        """Bucket N's graph on padded inputs; its first call compiles (captures) it, timed (and logged, unless the
-        background thread compiles it: that logs its own progress line)."""
+    def _call(self, N: int, ids_t, slots_t, cached_t):
+        """Bucket N's graph on padded inputs (what `_step` returns); its first call compiles (captures) it, timed (and
+        logged, unless the background thread compiles it: that logs its own progress line)."""
         first = N not in self.compile_seconds
         start = time.perf_counter()
-        logits = self._replay(N, ids_t, slots_t, cached_t) if self.cuda else self._cpu(N, ids_t, slots_t, cached_t)
+        out = self._replay(N, ids_t, slots_t, cached_t) if self.cuda else self._cpu(N, ids_t, slots_t, cached_t)
         if first:
             self.compile_seconds[N] = time.perf_counter() - start
             self.ready.add(N)
             if threading.current_thread() is not self.background:
                 log.info("%s step for %s %d ready in %.1f s", self.NAME, self.UNIT, N, self.compile_seconds[N])
-        return logits
+        return out
 
     def warmup(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
         """Compile (capture) the given buckets (default all) now, with steps of padding entries only (they touch
@@ -336,26 +339,26 @@ class DecodeGraph:
         """Buckets not compiled yet (all of them before a compile started)."""
         return [N for N in self.buckets if N not in self.ready]
 
-    def _cpu(self, N: int, ids, slots, cached) -> torch.Tensor:
+    def _cpu(self, N: int, ids, slots, cached):
         """CPU: bucket N's graph, bound (see the module doc) when the layout is the one its guards last passed."""
         stamp = self.layout.generation
         bound = self._bound.get(N)
         if bound is not None and bound.stamp == stamp:
             return bound(ids, slots, cached)
         if self._checked.get(N) == stamp and (N not in self._bound or bound is not None):
-            bound, logits = BoundStep.bind(self._codes[N], self, stamp, ids, slots, cached)
+            bound, out = BoundStep.bind(self._codes[N], self, stamp, ids, slots, cached)
             self._bound[N] = bound
-            if logits is not None:
-                return logits
-        logits = self._compiled[N](ids, slots, cached)
+            if out is not None:
+                return out
+        out = self._compiled[N](ids, slots, cached)
         self._checked[N] = stamp
-        return logits
+        return out
 
     def bound(self) -> list[int]:
         """Buckets whose steps now skip dynamo (CPU)."""
         return sorted(N for N, b in self._bound.items() if b is not None)
 
-    def _replay(self, N: int, ids, slots, cached) -> torch.Tensor:
+    def _replay(self, N: int, ids, slots, cached):
         """CUDA: replay bucket N's graph (captured first, or again if a parameter moved to a new address)."""
         stamp = self.layout.generation
         graph = self._captured.get(N)

@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from flashnext.serve.sampling import FieldError
+from flashnext.serve.sampling import FieldError, drop_maxima
 
 COMPILE_TIMEOUT_S = 30.0
 """Longest a request waits for its grammar to compile; past it the request is refused (400)."""
@@ -217,6 +217,7 @@ def mask_rows(logits: torch.Tensor, reqs) -> torch.Tensor:
     bitmask = allocate(logits.shape[0], logits.shape[-1])
     for i in rows:
         reqs[i].constraint.fill(bitmask, i)
+    drop_maxima(logits)  # the rows' maxima it may carry are the unmasked ones
     with torch.inference_mode():  # the model's logits are inference tensors
         logits = logits.contiguous()
         apply_bitmask(logits, bitmask, rows)

@@ -24,7 +24,7 @@ class BoundStep:
     calls the graph function) once, with the graph function swapped for a recorder in a copy of its globals; the
     recorded arguments, with the step's three inputs replaced, are what every later call passes. Not bindable
     (None, the bucket then stays on dynamo's path): no entry passing, or an entry doing more than calling one graph
-    function and returning one of its outputs.
+    function and returning one of its outputs (or a tuple of them: the step's result, rebuilt from the outputs).
 
     Deeper still (`_Inner`): the graph function is AOTAutograd's runtime wrapper around inductor's compiled graph
     (`CompiledFxGraph`), whose C++ entry takes one handle per input. When the recorded call reached exactly one
@@ -34,16 +34,17 @@ class BoundStep:
     batch-1 step of ~1.8 ms.
     """
 
-    def __init__(self, fn, args: list, where: list[int], out: int, stamp: int, bumped: tuple = ()):
+    def __init__(self, fn, args: list, where: list[int], out: int | tuple, stamp: int, bumped: tuple = ()):
         self.fn, self.args, self.where, self.out, self.stamp, self.bumped = fn, args, where, out, stamp, bumped
 
-    def __call__(self, ids, slots, cached) -> torch.Tensor:
+    def __call__(self, ids, slots, cached):
+        """The step's result: one output of the graph, or a tuple of them (`out` an int, or a tuple of ints)."""
         args = self.args.copy()  # an entry may consume (clear) the list it is given
         args[self.where[0]], args[self.where[1]], args[self.where[2]] = ids, slots, cached
         outs = self.fn(args)
         if self.bumped:
             torch.autograd.graph.increment_version(self.bumped)
-        return outs[self.out]
+        return outs[self.out] if isinstance(self.out, int) else tuple(outs[i] for i in self.out)
 
     @property
     def direct(self) -> bool:
@@ -52,7 +53,7 @@ class BoundStep:
 
     @staticmethod
     def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
-        """(the bound step or None, the logits of this step or None when it did not run). Dynamo's cache entries
+        """(the bound step or None, the result of this step or None when it did not run). Dynamo's cache entries
         are read through private APIs: should they change, the bucket stays on dynamo's path (logged once a bucket)."""
         here = {"self": owner, "ids": ids, "slots": slots, "cached": cached}
         try:
@@ -78,18 +79,31 @@ class BoundStep:
             seen.append((list(args), outs, inner, bumped))
             return outs
 
-        logits = types.FunctionType(entry.code, {**glb, names[0]: record})(owner, ids, slots, cached)
+        result = types.FunctionType(entry.code, {**glb, names[0]: record})(owner, ids, slots, cached)
         if len(seen) != 1:
-            return None, logits
+            return None, result
         args, outs, inner, bumped = seen[0]
-        direct = _Inner.of(inner, (ids, slots, cached), logits, bumped)
+        direct = _Inner.of(inner, (ids, slots, cached), result, bumped)
         if direct is not None:
-            return direct.bound(stamp), logits
-        where = [next((i for i, a in enumerate(args) if a is x), None) for x in (ids, slots, cached)]
-        out = next((i for i, o in enumerate(outs) if o is logits), None)
-        if None in where or out is None:
-            return None, logits
-        return BoundStep(lambda a: graph(*a), args, where, out, stamp), logits
+            return direct.bound(stamp), result
+        where, out = _positions(args, (ids, slots, cached)), _result_positions(outs, result)
+        if where is None or out is None:
+            return None, result
+        return BoundStep(lambda a: graph(*a), args, where, out, stamp), result
+
+
+def _positions(items, wanted) -> list[int] | None:
+    """The index of each of `wanted` in `items`, by identity (None when one is missing)."""
+    at = [next((i for i, a in enumerate(items) if a is x), None) for x in wanted]
+    return None if None in at else at
+
+
+def _result_positions(outs, result) -> int | tuple | None:
+    """Where a step's result sits among a graph's outputs: an index, a tuple of them for a tuple result, or None."""
+    if not isinstance(outs, (list, tuple)):
+        return None
+    at = _positions(outs, result if isinstance(result, tuple) else (result,))
+    return None if at is None else tuple(at) if isinstance(result, tuple) else at[0]
 
 
 def _version(x):
@@ -106,7 +120,7 @@ class _Inner:
     _HANDLE_FORM = {"torch", "Tensor", "isinstance", "tensor", "_C", "_aoti", "clear",
                     "unsafe_alloc_void_ptrs_from_tensors", "alloc_tensors_by_stealing_from_void_ptrs"}  # fmt: skip
 
-    def __init__(self, fn, args: list, where: list[int], out: int, bumped: tuple):
+    def __init__(self, fn, args: list, where: list[int], out: int | tuple, bumped: tuple):
         self.args, self.where, self.out, self.bumped = args, where, out, bumped
         entry = _entry(fn) if all(isinstance(a, torch.Tensor) for a in args) else None
         self.fn = entry or fn
@@ -115,16 +129,15 @@ class _Inner:
         return self.fn(args)
 
     @classmethod
-    def of(cls, calls: list, step_inputs: tuple, logits, bumped: tuple):
+    def of(cls, calls: list, step_inputs: tuple, result, bumped: tuple):
         """From the compiled-graph calls one wrapped call made: the direct form, or None (not exactly one call,
-        or the step's inputs or its logits not among that call's own)."""
+        or the step's inputs or its result not among that call's own)."""
         if len(calls) != 1:
             return None
         compiled, args, outs = calls[0]
         fn = getattr(compiled, "current_callable", None)
-        where = [next((i for i, a in enumerate(args) if a is x), None) for x in step_inputs]
-        out = next((i for i, o in enumerate(outs) if o is logits), None) if isinstance(outs, (list, tuple)) else None
-        if fn is None or None in where or out is None:
+        where, out = _positions(args, step_inputs), _result_positions(outs, result)
+        if fn is None or where is None or out is None:
             return None
         return cls(fn, args, where, out, bumped)
 
