@@ -157,14 +157,32 @@ def test_compiled_few_row_product_is_a_reduction_equal_to_f_linear(dtype, native
 
 @pytest.mark.slow
 def test_reduced_product_under_inductor_equals_f_linear():
-    """The generated code (inductor) of the reduction, fp32 and bf16 weights, 1 and REDUCED_ROWS rows."""
+    """The generated code (inductor) of the reduction, fp32 and bf16 weights, 1, 4 and REDUCED_ROWS rows; 320
+    outputs (fp32: summed over weight tiles from 2 rows) and 300 (not a whole number of tiles: row by row)."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        w, b = torch.randn(300, 200, dtype=dtype), torch.randn(300, dtype=dtype)
-        compiled = torch.compile(lambda x, w=w, b=b: fused.linear(x, w, b, fused=True), fullgraph=True, dynamic=False)
-        for rows in (1, fused.REDUCED_ROWS):
-            x = torch.randn(rows, 200, dtype=dtype)
-            with torch.no_grad():
-                torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=tol, atol=tol)
+        for n in (320, 300):
+            w, b = torch.randn(n, 200, dtype=dtype), torch.randn(n, dtype=dtype)
+            compiled = torch.compile(lambda x, w=w, b=b: fused.linear(x, w, b, fused=True), fullgraph=True,
+                                     dynamic=False)  # fmt: skip
+            for rows in (1, 4, fused.REDUCED_ROWS):
+                x = torch.randn(rows, 200, dtype=dtype)
+                with torch.no_grad():
+                    torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, fused.REDUCED_ROWS])
+def test_several_rows_of_an_fp32_product_are_summed_over_weight_tiles(rows):
+    """From 2 rows, a traced fp32 product of a whole number of `REDUCED_TILE`-row tiles views the weight as tiles
+    (the permute of the tile sums back to [M, N] is the mark); one row, a bf16 weight or a ragged N does not. Sums
+    of 200 fp32 terms in another lane order: fp32 rounding of F.linear."""
+    w = torch.randn(3 * fused.REDUCED_TILE, 200)
+    x = torch.randn(rows, 200)
+    for weight, tiled in ((w, rows > 1), (w[:-1], False), (w.bfloat16(), False)):
+        inp = x.to(weight.dtype)
+        out, ops, _ = _graph_ops(lambda x, weight=weight: fused.reduced_linear(x, weight), inp)
+        assert ("permute" in ops) == tiled, (weight.shape, weight.dtype, ops)
+        if weight.dtype == torch.float32:
+            torch.testing.assert_close(out, F.linear(inp, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_group_product_reads_the_bf16_weight_not_its_fp32_copy(monkeypatch):

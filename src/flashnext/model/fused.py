@@ -46,6 +46,7 @@ from torch import nn
 SKINNY_ROWS = 64  # inputs with at most this many rows use `W @ x.T` on the fused path
 REDUCED_ROWS = 8  # inside a compiled graph, inputs with at most this many rows use `reduced_linear`
 GRAPH_ROW_MAJOR = 16  # inside a compiled graph, inputs with more rows use `F.linear` (see `_gemm`)
+REDUCED_TILE = 16  # rows of an fp32 weight per tile of a several-row `reduced_linear` (its doc)
 FP32_COPY_MAX = 1 << 18  # a CPU bf16/fp16 weight up to this many elements keeps an fp32 copy; rows x elements bound
 SINGLE = "_fused_single"  # attribute of an `nn.Linear` holding its one-member `Group` (set by `prepare`)
 
@@ -128,8 +129,17 @@ def reduced_linear(
 
     For inductor only: inside a compiled graph it becomes one vectorised pass over W per row, no [M, N, K]
     temporary; eager it would build that temporary. Why: in a decode step the weights are not in cache, and MKL's
-    skinny sgemm / oneDNN's bf16 GEMM stream them at ~7 GB/s on this CPU against ~20 GB/s for the generated loop."""
-    y = (x.float()[:, None, :] * weight.float()).sum(-1)
+    skinny sgemm / oneDNN's bf16 GEMM stream them at ~7 GB/s on this CPU against ~20 GB/s for the generated loop.
+    Several rows of a contiguous fp32 weight are summed tile by tile (`REDUCED_TILE` rows of W outermost): each
+    tile streams from memory once and is read from L1 for the other rows of x, instead of W streaming once per row
+    (fp32 decode graph, one process alternating: batch 2 3.50 -> 3.22 ms, batch 4 5.81 -> 5.29, batch 8 8.27 ->
+    7.96). The same sums over K, in another order of the vector lanes: equal to fp32 rounding, not bitwise."""
+    M, (N, K) = x.shape[0], weight.shape
+    if M > 1 and weight.dtype == torch.float32 and N % REDUCED_TILE == 0 and weight.is_contiguous():
+        tiles = weight.view(N // REDUCED_TILE, 1, REDUCED_TILE, K)
+        y = (x.float()[None, :, None, :] * tiles).sum(-1).permute(1, 0, 2).reshape(M, N)
+    else:
+        y = (x.float()[:, None, :] * weight.float()).sum(-1)
     if scale is not None:
         y = y * scale.float()
     if bias is not None:
