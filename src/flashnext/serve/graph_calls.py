@@ -26,7 +26,7 @@ class BoundStep:
     (None, the bucket then stays on dynamo's path): no entry passing, or an entry doing more than calling one graph
     function and returning one of its outputs (or a tuple of them: the step's result, rebuilt from the outputs).
 
-    Deeper still (`_Inner`): the graph function is AOTAutograd's runtime wrapper around inductor's compiled graph
+    Deeper still (`_direct`): the graph function is AOTAutograd's runtime wrapper around inductor's compiled graph
     (`CompiledFxGraph`), whose C++ entry takes one handle per input. When the recorded call reached exactly one
     compiled graph with the step's inputs and output among its own, a bound call passes that graph's inputs to
     its entry directly and bumps the version counters the wrapper bumped (the inputs the graph mutates, as
@@ -34,8 +34,10 @@ class BoundStep:
     batch-1 step of ~1.8 ms.
     """
 
-    def __init__(self, fn, args: list, where: list[int], out: int | tuple, stamp: int, bumped: tuple = ()):
+    def __init__(self, fn, args: list, where: list[int], out: int | tuple, stamp: int, bumped: tuple = (),
+                 direct: bool = False):  # fmt: skip
         self.fn, self.args, self.where, self.out, self.stamp, self.bumped = fn, args, where, out, stamp, bumped
+        self.direct = direct  # calls go to inductor's compiled graph, not through AOTAutograd's wrapper
 
     def __call__(self, ids, slots, cached):
         """The step's result: one output of the graph, or a tuple of them (`out` an int, or a tuple of ints)."""
@@ -45,11 +47,6 @@ class BoundStep:
         if self.bumped:
             torch.autograd.graph.increment_version(self.bumped)
         return outs[self.out] if isinstance(self.out, int) else tuple(outs[i] for i in self.out)
-
-    @property
-    def direct(self) -> bool:
-        """Whether calls go to inductor's compiled graph directly (not through AOTAutograd's wrapper)."""
-        return isinstance(self.fn, _Inner)
 
     @staticmethod
     def bind(code: types.CodeType, owner, stamp: int, ids, slots, cached):
@@ -83,9 +80,9 @@ class BoundStep:
         if len(seen) != 1:
             return None, result
         args, outs, inner, bumped = seen[0]
-        direct = _Inner.of(inner, (ids, slots, cached), result, bumped)
+        direct = _direct(inner, (ids, slots, cached), result, bumped, stamp)
         if direct is not None:
-            return direct.bound(stamp), result
+            return direct, result
         where, out = _positions(args, (ids, slots, cached)), _result_positions(outs, result)
         if where is None or out is None:
             return None, result
@@ -113,43 +110,31 @@ def _version(x):
     return x._version
 
 
-class _Inner:
-    """Inductor's compiled graph called without AOTAutograd's runtime wrapper (see `BoundStep`): its C++ entry on
-    handles of the inputs when its callable is the known handle-passing form, else the callable on the list."""
+_HANDLE_FORM = {"torch", "Tensor", "isinstance", "tensor", "_C", "_aoti", "clear",
+                "unsafe_alloc_void_ptrs_from_tensors", "alloc_tensors_by_stealing_from_void_ptrs"}  # fmt: skip
 
-    _HANDLE_FORM = {"torch", "Tensor", "isinstance", "tensor", "_C", "_aoti", "clear",
-                    "unsafe_alloc_void_ptrs_from_tensors", "alloc_tensors_by_stealing_from_void_ptrs"}  # fmt: skip
 
-    def __init__(self, fn, args: list, where: list[int], out: int | tuple, bumped: tuple):
-        self.args, self.where, self.out, self.bumped = args, where, out, bumped
-        entry = _entry(fn) if all(isinstance(a, torch.Tensor) for a in args) else None
-        self.fn = entry or fn
-
-    def __call__(self, args: list) -> list:
-        return self.fn(args)
-
-    @classmethod
-    def of(cls, calls: list, step_inputs: tuple, result, bumped: tuple):
-        """From the compiled-graph calls one wrapped call made: the direct form, or None (not exactly one call,
-        or the step's inputs or its result not among that call's own)."""
-        if len(calls) != 1:
-            return None
-        compiled, args, outs = calls[0]
-        fn = getattr(compiled, "current_callable", None)
-        where, out = _positions(args, step_inputs), _result_positions(outs, result)
-        if fn is None or where is None or out is None:
-            return None
-        return cls(fn, args, where, out, bumped)
-
-    def bound(self, stamp: int) -> BoundStep:
-        return BoundStep(self, self.args, self.where, self.out, stamp, self.bumped)
+def _direct(calls: list, step_inputs: tuple, result, bumped: tuple, stamp: int) -> BoundStep | None:
+    """From the compiled-graph calls one wrapped call made, a bound step calling inductor's compiled graph without
+    AOTAutograd's runtime wrapper (see `BoundStep`): its C++ entry on handles of the inputs where its callable has
+    the known handle-passing form, else the callable on the list. None: not exactly one call, or the step's inputs
+    or its result not among that call's own."""
+    if len(calls) != 1:
+        return None
+    compiled, args, outs = calls[0]
+    fn = getattr(compiled, "current_callable", None)
+    where, out = _positions(args, step_inputs), _result_positions(outs, result)
+    if fn is None or where is None or out is None:
+        return None
+    entry = _entry(fn) if all(isinstance(a, torch.Tensor) for a in args) else None
+    return BoundStep(entry or fn, args, where, out, stamp, bumped, direct=True)
 
 
 def _entry(fn):
     """The C++ entry of inductor's compiled callable `fn` on a list of input tensors, or None where `fn` is not the
     known form (a closure over the entry `f` that converts inputs to handles, calls it, and takes its outputs)."""
     code = getattr(fn, "__code__", None)
-    if code is None or code.co_freevars != ("f",) or not set(code.co_names) <= _Inner._HANDLE_FORM:
+    if code is None or code.co_freevars != ("f",) or not set(code.co_names) <= _HANDLE_FORM:
         return None
     f = fn.__closure__[0].cell_contents
     alloc = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
