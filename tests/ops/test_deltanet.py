@@ -184,6 +184,30 @@ def test_equal_short_sequences_take_the_strided_path(cu, monkeypatch):
     torch.testing.assert_close(final, ref_final, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("N, L", [(1, 2), (1, 4), (3, 2), (4, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_equal_short_sequences_step_as_the_decode_step_does(N, L, dtype):
+    """The strided verify path equals the decode step (`gated_delta_step`) run position by position, bit for bit:
+    the same products on the same shapes and the same elementwise steps in the same order, so a verify step's
+    logits are the ones plain decode steps would give (its layout: none at N = 1, one position-major copy else)."""
+    from flashnext.ops import deltanet
+    from flashnext.ops.deltanet_step import gated_delta_step
+
+    cu = [i * L for i in range(N + 1)]
+    q, k, v, g, beta = [
+        t.detach().to(dtype) if i != 3 else t.detach().float() for i, t in enumerate(_inputs(cu, 4, 16, 8))
+    ]
+    init = torch.randn(N, 4, 16, 8, generator=torch.Generator().manual_seed(5))
+    o, final = deltanet._equal_short_gated_delta_rule(q, k, v, g, beta, init)
+    S, rows = init, []
+    for t in range(L):
+        at = [n * L + t for n in range(N)]
+        o_t, S = gated_delta_step(q[at], k[at], v[at], g[at], beta[at], S)
+        rows.append(o_t)
+    want = torch.stack(rows, 1).reshape(N * L, 4, 8)
+    assert o.dtype == dtype and torch.equal(o, want) and torch.equal(final, S)
+
+
 @pytest.mark.parametrize("C", [16, 20, 64], ids=lambda c: f"C{c}")
 def test_inference_solve_takes_lapack_and_equals_the_batched_inverse(C, monkeypatch):
     """Without grad on CPU, a few systems (one short prefill's chunks) are solved by LAPACK's unit-triangular
