@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SKINNY_ROWS = 64  # inputs with at most this many rows use `W @ x.T` on the fused path
+SMALL_WEIGHT = 128 << 10  # bytes: outside compiled graphs a weight up to this size takes `F.linear` at any row count
 REDUCED_ROWS = 8  # inside a compiled graph, inputs with at most this many rows use `reduced_linear`
 GRAPH_ROW_MAJOR = 16  # inside a compiled graph, inputs with more rows use `F.linear` (see `_gemm`)
 REDUCED_TILE = 16  # rows of an fp32 weight per tile of a several-row `reduced_linear` (its doc)
@@ -77,9 +78,17 @@ def _gemm(x, weight, bias, fused: bool, contiguous: bool, private: bool = False)
 
     `private`: `x` is this product's own (an fp32 upcast of a 16-bit input), read by nothing else; above the bound
     it keeps `W @ x.T`, x transposed by a copy of its own: a bf16 32-token prefill graph on an AVX2 CPU, 2 threads,
-    21.2-21.3 -> 19.8-20.0 ms (letting inductor lay the upcast out transposed instead: 20.4-20.5)."""
-    late = x.dim() == 2 and x.shape[0] > GRAPH_ROW_MAJOR and _compiling()
-    if not fused or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SKINNY_ROWS or (late and not private):
+    21.2-21.3 -> 19.8-20.0 ms (letting inductor lay the upcast out transposed instead: 20.4-20.5).
+
+    Outside compiled graphs a weight of at most `SMALL_WEIGHT` bytes takes `F.linear` at any row count: it is read
+    from cache, and the transposed product with its copy back costs more (AVX2 EPYC, 2 threads, fp32 384 x 64 at 2
+    rows: 20.9 -> 12.9 us warm, 52.7 -> 39.6 us with the cache flushed; at 512 KB the transposed product still wins
+    cold from 2 rows). An eager verify step of the deep tiny config makes ~200 such products."""
+    compiling = _compiling()
+    late = x.dim() == 2 and x.shape[0] > GRAPH_ROW_MAJOR and compiling
+    small = not compiling and weight.numel() * weight.element_size() <= SMALL_WEIGHT
+    skinny = fused and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS
+    if not skinny or (late and not private) or small:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t().contiguous() if late else x.t()).t()
     if bias is not None:
