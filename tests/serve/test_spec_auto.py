@@ -368,7 +368,8 @@ def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
     steps, then at 1.2: the price drops at once (a mean would have kept k = 1 off), later bursts are left out,
     while a step's own variation (a replay, 1.44x for one token) averages in. A k whose latest whole step is more
     than `forget` decode steps old prices by the cost model again (so drafting turned off by a cost measured under
-    load is retried), and a cost model fit in a burst prices no dearer than the priors."""
+    load is retried) and, retried, by its new steps alone; a cost model fit in a burst prices no dearer than the
+    priors."""
     auto = AutoSpec(min_samples=3, forget=20)
     req = _Req(10)
     auto.rates[req] = rates = [0.9] * 4
@@ -389,6 +390,8 @@ def test_measured_steps_shrug_off_a_burst_and_are_forgotten_when_stale():
     assert auto.gains(1, rates)[1] == pytest.approx(0.010 / ((0.012 * 2 + 0.014 + 0.0144) / 7))  # 20 steps: kept
     _steps(auto, 1, 0, [0.010])
     assert auto.gains(1, rates) == pytest.approx(model)  # k = 1 forgotten: the priors
+    _steps(auto, 1, 1, [0.011] * 3, 3)  # retried on the text of now: its new steps alone price it
+    assert auto.gains(1, rates)[1] == pytest.approx(0.010 / (0.011 / 3))
 
 
 def test_past_batch_one_every_auto_request_drafts_the_same_k():

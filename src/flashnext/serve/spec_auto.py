@@ -56,7 +56,7 @@ model object (`kept_for`, by device, dtype and decode path), so an engine built 
 measured starts from those costs (a server keeps them anyway; a user building an engine per batch, as
 benchmarks/spec_decode.py does, would otherwise pay the exploration every time: tiny config, batch 16, ~10 steps of
 k = 1 at 0.9x plain). The first engine still pays it, and a k not run for `forget` decode steps (counted over all
-of them) is priced by the cost model and tried again. Acceptance stays per engine.
+of them) is priced by the cost model and tried again, measured anew. Acceptance stays per engine.
 """
 
 from __future__ import annotations

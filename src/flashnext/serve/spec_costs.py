@@ -150,11 +150,15 @@ class WholeSteps:
         if k == 0:
             self.plain[b] = fast_down(self.plain.get(b), seconds / batch)  # one token per entry
         else:
-            self.steps.setdefault((b, k), Times()).add(seconds, tokens, self.clock, most, drafted)
+            times = self.steps.get((b, k))
+            if times is None or self.clock - times.last > self.forget:  # stale: measured anew, on the text of now
+                times = self.steps[b, k] = Times()
+            times.add(seconds, tokens, self.clock, most, drafted)
 
     def fresh(self, low: Times | None) -> bool:
         """Whether a k's whole-step time prices it: `min_samples` samples, the latest within `forget` decode steps
-        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried)."""
+        (a k left for long is priced by the model again, so a cost measured under a burst of load is retried; its
+        steps then start over (`record`): one retried step had revived the stale ones beside it)."""
         return low is not None and low.n >= self.min_samples and self.clock - low.last <= self.forget
 
     def gains(self, b: int, k_max: int, certain: bool = False) -> dict[int, float]:
