@@ -166,14 +166,14 @@ def test_affine_form_equals_a_pass_from_the_first_sequences_state(cu):
 @pytest.mark.parametrize("cu", [[0, 4], [0, 5, 10, 15]], ids=["one-verify", "equal-verifies"])
 def test_equal_short_sequences_take_the_strided_path(cu, monkeypatch):
     """Short sequences of one length (a speculative verify step: each request's last token and as many drafts) run
-    `_equal_short_gated_delta_rule` (preparation once, strided positions, the state stepped in place) and match the
-    recurrence; the state passed in is not modified. fp64 inputs, fp32 arithmetic inside: 1e-6."""
+    `deltanet_step.equal_short_gated_delta_rule` (preparation once, strided positions, the state stepped in place)
+    and match the recurrence; the state passed in is not modified. fp64 inputs, fp32 arithmetic inside: 1e-6."""
     from flashnext.batch import make_segments
-    from flashnext.ops import deltanet
+    from flashnext.ops import deltanet, deltanet_step
 
     calls = []
-    fast = deltanet._equal_short_gated_delta_rule
-    monkeypatch.setattr(deltanet, "_equal_short_gated_delta_rule", lambda *a: calls.append(1) or fast(*a))
+    fast = deltanet_step.equal_short_gated_delta_rule
+    monkeypatch.setattr(deltanet_step, "equal_short_gated_delta_rule", lambda *a: calls.append(1) or fast(*a))
     inputs = [t.detach() for t in _inputs(cu)]
     init = torch.randn(len(cu) - 1, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     before = init.clone()
@@ -189,8 +189,9 @@ def test_equal_short_sequences_take_the_strided_path(cu, monkeypatch):
 def test_equal_short_sequences_step_as_the_decode_step_does(N, L, dtype):
     """The strided verify path equals the decode step (`gated_delta_step`) run position by position, bit for bit:
     the same products on the same shapes and the same elementwise steps in the same order, so a verify step's
-    logits are the ones plain decode steps would give (its layout: none at N = 1, one position-major copy else)."""
-    from flashnext.ops import deltanet
+    logits are the ones plain decode steps would give (its layout: none at N = 1, one position-major copy else),
+    and the states it keeps per position (`positions`) are the decode step's after each; the input state is kept."""
+    from flashnext.ops import deltanet_step
     from flashnext.ops.deltanet_step import gated_delta_step
 
     cu = [i * L for i in range(N + 1)]
@@ -198,14 +199,18 @@ def test_equal_short_sequences_step_as_the_decode_step_does(N, L, dtype):
         t.detach().to(dtype) if i != 3 else t.detach().float() for i, t in enumerate(_inputs(cu, 4, 16, 8))
     ]
     init = torch.randn(N, 4, 16, 8, generator=torch.Generator().manual_seed(5))
-    o, final = deltanet._equal_short_gated_delta_rule(q, k, v, g, beta, init)
+    before = init.clone()
+    o, final = deltanet_step.equal_short_gated_delta_rule(q, k, v, g, beta, init)
+    o2, final2, states = deltanet_step.equal_short_gated_delta_rule(q, k, v, g, beta, init, positions=True)
     S, rows = init, []
     for t in range(L):
         at = [n * L + t for n in range(N)]
         o_t, S = gated_delta_step(q[at], k[at], v[at], g[at], beta[at], S)
         rows.append(o_t)
+        assert torch.equal(states[t], S)  # the state after position t, kept for a verify step
     want = torch.stack(rows, 1).reshape(N * L, 4, 8)
     assert o.dtype == dtype and torch.equal(o, want) and torch.equal(final, S)
+    assert torch.equal(o2, want) and torch.equal(final2, S) and torch.equal(init, before)
 
 
 @pytest.mark.parametrize("C", [16, 20, 64], ids=lambda c: f"C{c}")

@@ -21,6 +21,7 @@ from spec_helpers import KnownDrafts, compare_greedy, full_forward_logprobs, run
 
 from flashnext.errors import ConfigError
 from flashnext.model.state import POSITIONAL
+from flashnext.serve import speculative
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import FieldError, SamplingParams
 from flashnext.serve.stats import EngineStats, prometheus_text
@@ -89,12 +90,14 @@ def test_greedy_speculation_gives_the_plain_tokens(model, plain, k, drafts):
 POISON = 1e4  # finite (a masked-out row times 0 stays 0), and far off every real value: any read shows
 
 
-def test_rollback_restores_and_rejected_writes_stay_invisible(model):
-    """After every step that rejected drafts: the slot's window and recurrent states are bitwise those before the
-    step (what a run that never saw the drafts holds: the drafts were fed in that step only), and its positional
-    rows below the committed length are bitwise untouched. Everything at or past that length, which the rejected
-    drafts wrote, is then overwritten with a poison value: the request still gives the plain tokens, and log-probs
-    equal to one full forward's (1e-5), so no later query ever read a row a rejected draft wrote."""
+def test_rollback_restores_and_rejected_writes_stay_invisible(model, monkeypatch):
+    """Without per-position states (past `KEEP_BYTES`, or entries of unequal lengths), after every step that
+    rejected drafts: the slot's window and recurrent states are bitwise those before the step (what a run that
+    never saw the drafts holds: the drafts were fed in that step only), and its positional rows below the committed
+    length are bitwise untouched. Everything at or past that length, which the rejected drafts wrote, is then
+    overwritten with a poison value: the request still gives the plain tokens, and log-probs equal to one full
+    forward's (1e-5), so no later query ever read a row a rejected draft wrote."""
+    monkeypatch.setattr(speculative, "KEEP_BYTES", -1)
     prompt = PROMPTS[5]
     want = run_mixed(_engine(model, 0), [prompt], [SamplingParams(max_tokens=60, temperature=0.0)], [0])[0]
     engine = _engine(model, 3)
@@ -120,6 +123,47 @@ def test_rollback_restores_and_rejected_writes_stay_invisible(model):
             assert torch.equal(buf[req.slot][:rows], old[:rows]), field
             buf[req.slot][rows:] = POISON
     assert checked >= 3
+    assert req.output_ids == want.output_ids
+    full = full_forward_logprobs(model, prompt, req.output_ids)
+    torch.testing.assert_close(torch.tensor(req.logprobs), full, atol=1e-5, rtol=0)
+
+
+def test_a_rejection_keeps_the_accepted_prefix_without_a_replay(model):
+    """A lone request's verify step is one short entry, so the step keeps the state after every position: after a
+    rejection the slot continues from its last accepted token (`num_cached` past the known tokens and the accepted
+    drafts, no token fed again), its window and recurrent states equal a plain run's after the same tokens (1e-5:
+    the verify step's products run on more rows), and with every positional row past the committed length
+    poisoned the request still gives the plain tokens and log-probs equal to one full forward's (1e-5)."""
+    prompt = PROMPTS[5]
+    params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=0)
+    want = run_mixed(_engine(model, 0), [prompt], [params], [0])[0]
+    plain_engine, engine = _engine(model, 0), _engine(model, 3)
+    KnownDrafts(engine, {tuple(prompt): want.output_ids}, p_wrong=0.4, seed=3)
+    ref, req = plain_engine.add_request(prompt, params), engine.add_request(prompt, params)
+    engine.step()  # admission and prefill
+    kinds = {id(b): kind for b, kind in engine.cache._kinds}
+    trunk, ref_trunk = ([(getattr(part, f), f) for layer in e.cache.layers[: len(model.model.layers)]
+                         for part in layer.values() for f in vars(part)] for e in (engine, plain_engine))  # fmt: skip
+    checked = 0
+    while not req.finished:
+        cached, fed, accepted = req.num_cached, req.num_tokens - req.num_cached, req.num_accepted
+        drafts = len(req.drafts)
+        engine.step()
+        if req.finished or not drafts or req.num_accepted - accepted == drafts:
+            continue
+        checked += 1
+        assert req.num_cached == cached + fed + req.num_accepted - accepted  # nothing to feed again
+        assert req.num_tokens - req.num_cached == 1
+        while ref.num_cached < req.num_cached:
+            plain_engine.step()
+        assert ref.num_cached == req.num_cached
+        for (buf, field), (ref_buf, _) in zip(trunk, ref_trunk, strict=True):
+            if kinds[id(buf)] == POSITIONAL:  # rows past the committed length: whatever a rejected draft wrote
+                rows = req.num_cached // 4 if field == "block_k" else req.num_cached
+                buf[req.slot][rows:] = POISON
+            else:
+                torch.testing.assert_close(buf[req.slot], ref_buf[ref.slot], atol=1e-5, rtol=0)
+    assert checked >= 3 and engine.stats.spec_replayed_tokens == 0
     assert req.output_ids == want.output_ids
     full = full_forward_logprobs(model, prompt, req.output_ids)
     torch.testing.assert_close(torch.tensor(req.logprobs), full, atol=1e-5, rtol=0)

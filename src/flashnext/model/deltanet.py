@@ -83,6 +83,7 @@ class GatedDeltaNet(nn.Module):
         window = None if state is None else state.read(state.bufs.conv)
         if cp is not None:
             window = cp.left_halo(qkv, self.conv1d.kernel_size[0] - 1)
+        conv_in = qkv
         qkv, window = causal_conv1d_varlen(qkv, seg, self.conv1d.weight.squeeze(1), initial_window=window)
         q, k, v, g, beta, z = self._heads(F.silu(qkv).to(x.dtype), z, b, a)
         if cp is not None:
@@ -91,7 +92,12 @@ class GatedDeltaNet(nn.Module):
             initial = None if state is None else state.read(state.bufs.recurrent)
             # On a slot run `initial` is a slice of the cache: the decode kernel writes the new state into it.
             in_place = state is not None and state.step.slot_run is not None
-            o, final = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, in_place=in_place)
+            if state is not None and state.keeps:  # a verify step: the state after every position, kept
+                o, final, states = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, positions=True)
+                state.keep(state.bufs.recurrent, states)
+                state.keep(state.bufs.conv, conv_in)
+            else:
+                o, final = gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial, in_place=in_place)
         if state is not None:
             state.write(state.bufs.conv, window)
             state.write(state.bufs.recurrent, final)

@@ -93,6 +93,9 @@ class PLELayer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         conv, window = causal_conv1d_varlen(conv_in, seg, weight, self.dilation, initial_window=window)
         if state is not None:
+            if state.keeps:  # a verify step: the rows the windows slide over, kept
+                state.keep(state.bufs.context, input_ids.long())
+                state.keep(state.bufs.conv, conv_in)
             state.write(state.bufs.context, context)
             state.write(state.bufs.conv, window)
         return gated + F.silu(conv).to(gated.dtype)

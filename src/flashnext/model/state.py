@@ -178,6 +178,9 @@ class StepBatch(Step):
             buffer (`gather`, `store`) instead of by index; None otherwise.
         scratch_slot: static steps: the cache's scratch slot (where padding, and a block plan's unused candidates,
             write).
+        kept: a verify step of equal-length entries (`serve.speculative`): a list the stateful layers add to
+            (`StepState.keep`): per window buffer the stream rows the step fed (flat [T, ...]), per recurrent one
+            the state after every position ([L, N, ...]), so a rejection keeps the accepted prefix; else None.
     """
 
     kind: str = PREFILL
@@ -195,6 +198,7 @@ class StepBatch(Step):
     rope_positions: torch.Tensor | None = None
     slot_run: tuple[int, int] | None = None
     scratch_slot: int = -1
+    kept: list | None = None
 
     def gather(self, buf: torch.Tensor) -> torch.Tensor:
         """The entries' rows of a per-slot buffer [S, ...] -> [N, ...]: a view when `slot_run` is set, else a copy.
@@ -232,6 +236,15 @@ class StepState(Generic[B]):
     def write(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
         """Store the live entries' rows [N, ...] into their slots of `buf`."""
         self.step.store(buf, rows)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether the step keeps per-position material (`StepBatch.kept`)."""
+        return self.step.kept is not None
+
+    def keep(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
+        """Record a window buffer's fed stream rows [T, ...] or a recurrent one's states per position [L, N, ...]."""
+        self.step.kept.append((buf, rows))
 
     def part(self, name: str) -> StepState:
         """The state of one part of a layer (`bufs` a dict by role, e.g. "ple")."""

@@ -28,7 +28,7 @@ import torch
 from flashnext.batch import Segments
 from flashnext.ops import rows
 from flashnext.ops.deltanet_ref import prepare_qk
-from flashnext.ops.deltanet_step import gated_delta_step
+from flashnext.ops.deltanet_step import equal_short_gated_delta_rule, gated_delta_step, short_gated_delta_rule
 
 CHUNK = 64
 SHORT = 8  # sequences continuing a state with at most this many tokens: the per-position recurrence
@@ -46,7 +46,8 @@ def gated_delta_rule(
     seg: Segments,
     initial_state: torch.Tensor | None = None,
     in_place: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated delta rule over a flat stream, continuing from `initial_state` when given.
 
     Args:
@@ -55,10 +56,16 @@ def gated_delta_rule(
         initial_state: optional fp32 [N, H, K, V], the state before each sequence (zeros when None).
         in_place: the final state may be written over `initial_state` (a decode step on a contiguous fp32 state
             that is not read afterwards, e.g. a slice of the serving cache).
+        positions: also return the state after every position, fp32 [L, N, H, K, V]: sequences of one length
+            L in [2, SHORT] continuing states only (a verify step, `can_keep_positions`).
 
     Returns:
-        o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V].
+        o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V] (and with `positions` the states).
     """
+    if positions:
+        if initial_state is None or not can_keep_positions(seg.lengths):
+            raise ValueError(f"per-position states need equal short sequences; got lengths {seg.lengths}")
+        return equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions=True)
     if initial_state is not None and seg.is_decode:
         return gated_delta_step(q, k, v, g, beta, initial_state, in_place=in_place)
     if initial_state is not None and seg.max_seqlen <= SHORT:
@@ -69,6 +76,11 @@ def gated_delta_rule(
         run = _chunk_rule if torch.compiler.is_dynamo_compiling() else chunk_gated_delta_rule
         return run(q, k, v, g, beta, seg, initial_state, fitted_chunk(seg.max_seqlen))
     return chunk_gated_delta_rule(q, k, v, g, beta, seg, initial_state=initial_state)
+
+
+def can_keep_positions(lengths: list[int]) -> bool:
+    """Whether `gated_delta_rule` can return the state after every position of sequences of these lengths."""
+    return len(set(lengths)) == 1 and 2 <= lengths[0] <= SHORT
 
 
 def fitted_chunk(max_seqlen: int) -> int:
@@ -111,68 +123,6 @@ def gated_delta_rule_affine(
     initial[0, :, :, V:] = torch.eye(K, device=v.device)
     o, final = gated_delta_rule(q, k, v_aug, g, beta, seg, initial_state=initial)
     return o[..., :V], o[..., V:], final[-1, ..., V:], final[-1, ..., :V]
-
-
-def short_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    seg: Segments,
-    initial_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Short sequences continuing states: `gated_delta_step` at each position t, over the sequences longer than t.
-
-    Args/returns as `gated_delta_rule` (`initial_state` required, not modified).
-    """
-    if len(set(seg.lengths)) == 1 and initial_state.shape[0] == len(seg.lengths):
-        return _equal_short_gated_delta_rule(q, k, v, g, beta, initial_state)
-    starts, lengths = seg.cu_host[:-1], seg.lengths
-    S = initial_state.float().clone()
-    o = v.new_empty(v.shape)
-    everyone = torch.arange(len(lengths), device=v.device)
-    for t in range(seg.max_seqlen):
-        live = [n for n, length in enumerate(lengths) if length > t]
-        at = torch.tensor([starts[n] + t for n in live], dtype=torch.long, device=v.device)
-        idx = everyone if len(live) == len(lengths) else torch.tensor(live, dtype=torch.long, device=v.device)
-        pick = [x.index_select(0, at) for x in (q, k, v, g, beta)]
-        o_t, s_t = gated_delta_step(*pick, S.index_select(0, idx))
-        o.index_copy_(0, at, o_t)
-        S.index_copy_(0, idx, s_t)
-    return o, S
-
-
-def _equal_short_gated_delta_rule(q, k, v, g, beta, initial_state):
-    """`short_gated_delta_rule` when every sequence has the same length L (a batch-1 verify step, or every request
-    verifying as many drafts): the per-token preparation (`prepare_qk`, exp(g), fp32 casts) runs once over the
-    stream and is laid out position-major ([L, N*H, ...], one copy when N > 1, none at N = 1) and split into its
-    L positions once; each position is then seven calls on the state, stepped in place (an eager verify step is
-    bound by calls: the general step's reshapes, slices and temporaries were ~25 a position). Same arithmetic per
-    position as `prepared_delta_step` (its products and elementwise steps in its order)."""
-    N = initial_state.shape[0]
-    T, H, K = k.shape
-    L, V = T // N, v.shape[-1]
-    qp, kp = prepare_qk(q, k)
-
-    def positions(x: torch.Tensor, shape: tuple[int, int]):  # [T, H, ...] -> L views [N*H, *shape]
-        if N == 1:
-            return x.view(L, H, *shape).unbind(0)
-        return x.view(N, L, H, -1).transpose(0, 1).reshape(L, N * H, *shape).unbind(0)
-
-    ks, qs = positions(kp, (1, K)), positions(qp, (1, K))
-    kcols = [x.view(N * H, K, 1) for x in ks]
-    vs = positions(v.float(), (1, V))
-    decays, betas = positions(g.float().exp(), (1, 1)), positions(beta.float(), (1, 1))
-    S = initial_state.float().clone().view(N * H, K, V)
-    o = torch.empty(L, N * H, 1, V, dtype=torch.float32, device=v.device)
-    for t, o_t in enumerate(o.unbind(0)):
-        pred = torch.bmm(ks[t], S).mul_(decays[t])  # k^T (decay * S) as decay * (k^T S), as the step
-        delta = torch.sub(vs[t], pred, out=pred).mul_(betas[t])
-        S.mul_(decays[t]).baddbmm_(kcols[t], delta)
-        torch.bmm(qs[t], S, out=o_t)
-    o = o.view(T, H, V) if N == 1 else o.view(L, N, H, V).transpose(0, 1).reshape(T, H, V)
-    return o.to(v.dtype), S.view(N, H, K, V)
 
 
 def _use_fla(x: torch.Tensor) -> bool:

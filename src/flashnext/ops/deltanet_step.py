@@ -4,12 +4,16 @@ Legend: N sequences (one token each), H value heads, K key dim, V value dim. Sta
 Same per-token math as `recurrent_gated_delta_rule`, batched over N without a Python loop; the state products
 run as batched matrix-vector products (`bmm`/`baddbmm`), three passes over the state; traced by dynamo (a compiled
 decode step) as broadcast sums that inductor fuses into two (`_step_sums`).
+
+A few tokens per sequence (a speculative verify step) step position by position: `short_gated_delta_rule`, and
+`equal_short_gated_delta_rule` for sequences of one length (optionally keeping the state after every position).
 """
 
 from __future__ import annotations
 
 import torch
 
+from flashnext.batch import Segments
 from flashnext.ops.deltanet_ref import prepare_qk
 
 
@@ -76,3 +80,75 @@ def _step_sums(q, k, v, decay, beta, state, in_place: bool):
         state.copy_(new)
         new = state
     return o, new
+
+
+def short_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seg: Segments,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Short sequences continuing states: `gated_delta_step` at each position t, over the sequences longer than t.
+
+    Args/returns as `gated_delta_rule` (`initial_state` required, not modified).
+    """
+    if len(set(seg.lengths)) == 1 and initial_state.shape[0] == len(seg.lengths):
+        return equal_short_gated_delta_rule(q, k, v, g, beta, initial_state)
+    starts, lengths = seg.cu_host[:-1], seg.lengths
+    S = initial_state.float().clone()
+    o = v.new_empty(v.shape)
+    everyone = torch.arange(len(lengths), device=v.device)
+    for t in range(seg.max_seqlen):
+        live = [n for n, length in enumerate(lengths) if length > t]
+        at = torch.tensor([starts[n] + t for n in live], dtype=torch.long, device=v.device)
+        idx = everyone if len(live) == len(lengths) else torch.tensor(live, dtype=torch.long, device=v.device)
+        pick = [x.index_select(0, at) for x in (q, k, v, g, beta)]
+        o_t, s_t = gated_delta_step(*pick, S.index_select(0, idx))
+        o.index_copy_(0, at, o_t)
+        S.index_copy_(0, idx, s_t)
+    return o, S
+
+
+def equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions: bool = False):
+    """`short_gated_delta_rule` when every sequence has the same length L (a batch-1 verify step, or every request
+    verifying as many drafts): the per-token preparation (`prepare_qk`, exp(g), fp32 casts) runs once over the
+    stream and is laid out position-major ([L, N*H, ...], one copy when N > 1, none at N = 1) and split into its
+    L positions once; each position is then seven calls on the state, stepped in place (an eager verify step is
+    bound by calls: the general step's reshapes, slices and temporaries were ~25 a position). Same arithmetic per
+    position as `prepared_delta_step` (its products and elementwise steps in its order).
+
+    `positions`: also return the state after every position, fp32 [L, N, H, K, V] (each position then steps into
+    its own buffer instead of one stepped in place; a verify step keeps the accepted prefix's, `serve.speculative`).
+    """
+    N = initial_state.shape[0]
+    T, H, K = k.shape
+    L, V = T // N, v.shape[-1]
+    qp, kp = prepare_qk(q, k)
+
+    def split(x: torch.Tensor, shape: tuple[int, int]):  # [T, H, ...] -> L views [N*H, *shape]
+        if N == 1:
+            return x.view(L, H, *shape).unbind(0)
+        return x.view(N, L, H, -1).transpose(0, 1).reshape(L, N * H, *shape).unbind(0)
+
+    ks, qs = split(kp, (1, K)), split(qp, (1, K))
+    kcols = [x.view(N * H, K, 1) for x in ks]
+    vs = split(v.float(), (1, V))
+    decays, betas = split(g.float().exp(), (1, 1)), split(beta.float(), (1, 1))
+    S = initial_state.float().reshape(N * H, K, V)
+    states = torch.empty(L, N * H, K, V, device=v.device) if positions else None
+    if not positions:
+        S = S.clone()
+    o = torch.empty(L, N * H, 1, V, dtype=torch.float32, device=v.device)
+    for t, o_t in enumerate(o.unbind(0)):
+        pred = torch.bmm(ks[t], S).mul_(decays[t])  # k^T (decay * S) as decay * (k^T S), as the step
+        delta = torch.sub(vs[t], pred, out=pred).mul_(betas[t])
+        S = S.mul_(decays[t]) if states is None else torch.mul(S, decays[t], out=states[t])
+        S.baddbmm_(kcols[t], delta)
+        torch.bmm(qs[t], S, out=o_t)
+    o = o.view(T, H, V) if N == 1 else o.view(L, N, H, V).transpose(0, 1).reshape(T, H, V)
+    if states is None:
+        return o.to(v.dtype), S.view(N, H, K, V)
+    return o.to(v.dtype), S.view(N, H, K, V), states.view(L, N, H, K, V)

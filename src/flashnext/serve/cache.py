@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flashnext.errors import InputError
-from flashnext.model.state import POSITIONAL, state_buffers
+from flashnext.model.state import POSITIONAL, RECURRENT, state_buffers
 
 
 @dataclass
@@ -134,7 +134,27 @@ class StateCache:
         for buf, rows in snap.rows:
             buf.index_copy_(0, idx, rows if pick == list(range(len(snap.slots))) else rows.index_select(0, which))
 
+    @torch.no_grad()
+    def keep_prefix(self, snap: Snapshot, kept: list, slot: int, entry: int, start: int, count: int) -> None:
+        """After a verify step that kept per-position material (`StepBatch.kept`), set `slot`'s windows and recurrent
+        states to what they were after its entry's first `count` fed tokens (the known ones and the accepted
+        drafts): a recurrent state from the states per position, a window as the last rows of its rows in `snap`
+        (before the step) followed by the first `count` rows the entry fed (from flat row `start`)."""
+        at = snap.slots.index(slot)
+        before = {id(buf): rows[at] for buf, rows in snap.rows}
+        kinds = {id(buf): kind for buf, kind in self._kinds}
+        for buf, rows in kept:
+            if kinds[id(buf)] == RECURRENT:  # [L, N, ...] the states after each position
+                buf[slot].copy_(rows[count - 1, entry])
+            else:  # a window over a stream: [W, ...] rows before the step, then the fed ones
+                stream = torch.cat([before[id(buf)], rows[start : start + count].to(buf.dtype)])
+                buf[slot].copy_(stream[stream.shape[0] - buf.shape[1] :])
+
     # ---- inspection ----------------------------------------------------------------------------------
+    def recurrent_bytes(self) -> int:
+        """Bytes of one slot's recurrent states (every layer's)."""
+        return sum(buf[0].numel() * buf.element_size() for buf, kind in self._kinds if kind == RECURRENT)
+
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (for tests: compare states, check addresses never change)."""
         return [buf for buf, _ in self._fills]

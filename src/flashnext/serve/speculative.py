@@ -15,16 +15,21 @@ the last known token and of every draft (`SpecForward`), so one step verifies 1 
   distribution, whatever the drafts.
 
 Rollback. After the step the entry's window and recurrent state include every draft. When all d are accepted that
-is the state wanted; otherwise the engine restores the slot's window and recurrent state from a snapshot taken
-before the step (`StateCache.snapshot` / `restore`) and puts `num_cached` back, so the request's next step feeds
-this step's known tokens and accepted drafts again, then its new token and new drafts: the replay rides in the next
-verify step (a batch-1 step is weight-bound, so a few more tokens in it cost little) instead of a step of its own.
-Positional state (QSA keys and values, the head's cells) needs nothing: rows past the accepted length are never
-read before they are written again (`model.state`). vLLM's alternative keeps the state after each of the last
-k + 1 positions and picks the accepted one, with no replay; that needs kernels that emit the recurrent state after
-every verified position and k more window rows per layer, where the replay reuses the plain step and the tested
-snapshot. So that replay stays bounded when drafts keep failing, a request whose pending known tokens exceed
-k + 1 gets no drafts for a step (its state is exact again after it): `draft_count`.
+is the state wanted. Otherwise, where the step's entries were of one short length (a batch-1 verify step, or a
+batch whose requests all verify as many drafts) and their states fit `KEEP_BYTES`, the step kept per-position
+material (`StepBatch.kept`: each recurrent layer's state after every position, each window's fed rows), and the
+engine sets the slot's windows and recurrent states to those after its last accepted token (`StateCache.keep_prefix`,
+the windows' earlier rows from a snapshot taken before the step): the request goes on from there, as vLLM keeps the
+state of every verified position. Else the engine restores the slot's window and recurrent state from the snapshot
+(`StateCache.snapshot` / `restore`) and puts `num_cached` back, so the request's next step feeds this step's known
+tokens and accepted drafts again, then its new token and new drafts: the replay rides in the next verify step (a
+batch-1 step is weight-bound, so a few more tokens in it cost little) instead of a step of its own. Positional state
+(QSA keys and values, the head's cells) needs nothing: rows past the accepted length are never read before they are
+written again (`model.state`). So that a replay stays bounded when drafts keep failing, a request whose pending
+known tokens exceed k + 1 gets no drafts for a step (its state is exact again after it): `draft_count`. Keeping
+rather than replaying (deep tiny config, batch 1, eager, thread time): a k = 2 step that accepted one draft had
+re-fed 3, then 5 tokens and then drafted nothing for a step; "auto" measured k = 2 in such steps and kept k = 1
+(1.49x plain), and now drafts 2 (1.62x).
 
 Proposal (`propose`, after sampling). The head's cell i needs the trunk's residual R_i and the token x_{i+1}. The
 step returns every token's residual (valid up to the last accepted position of each entry), so each speculating
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashnext.model.state import make_step
+from flashnext.ops.deltanet import can_keep_positions
 from flashnext.serve import grammar
 from flashnext.serve.cache import Snapshot, StateCache
 from flashnext.serve.logit_controls import LogitControls, reported_logprobs
@@ -50,6 +56,8 @@ from flashnext.serve.sampling import target_probs
 from flashnext.serve.stats import EngineStats
 
 log = logging.getLogger("flashnext.serve")
+
+KEEP_BYTES = 1 << 30  # per-position recurrent states a verify step may keep (entries x positions x state)
 
 
 @dataclass
@@ -67,6 +75,8 @@ class SpecForward:
         snapshot: window/recurrent state of the slots that carried drafts, taken before the step.
         valid: per entry, how many of its fed tokens are committed (known tokens + accepted drafts): the residual
             rows the head may read.
+        kept: the step's per-position material (`StepBatch.kept`) when its entries were of one short length, else
+            None (a rejection then rolls back to the snapshot and replays).
     """
 
     logits: torch.Tensor
@@ -76,6 +86,7 @@ class SpecForward:
     first_row: list[int | None]
     snapshot: Snapshot | None
     valid: list[int] = field(default_factory=list)
+    kept: list | None = None
 
 
 @dataclass
@@ -104,6 +115,7 @@ class Speculator:
         self.model, self.cache, self.max_model_len, self.stats = model, cache, max_model_len, stats
         self.controls = LogitControls(None)  # the engine shares its sampler's (penalties per draft position)
         self.device = next(model.parameters()).device
+        self.state_bytes = cache.recurrent_bytes()  # per slot and position: what a kept verify step holds
         self.auto = None  # the engine's `serve.spec_auto.AutoSpec` under num_speculative_tokens="auto"
 
     # ---- the verify step ------------------------------------------------------------------------------
@@ -122,13 +134,16 @@ class Speculator:
                 first.append(None)
         with_drafts = [req.slot for req, _ in plan if req.drafts]
         snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
+        lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+        if with_drafts and can_keep_positions(lengths) and len(plan) * lengths[0] * self.state_bytes <= KEEP_BYTES:
+            step.kept = []  # the stateful layers keep per-position material: a rejection keeps the accepted prefix
         rows_t = torch.tensor(rows + list(extra_rows or ()), dtype=torch.long, device=self.device)
         logits, residual, *routed = self.model.forward_step(
             ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True, return_routing=routing
         )
         logits, extra = logits[: len(rows)], (logits[len(rows) :] if extra_rows else None)
         cached = [req.num_cached for req, _ in plan]
-        out = SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan])
+        out = SpecForward(logits, residual, cu, cached, first, snapshot, [n for _, n in plan], step.kept)
         return out, (routed[0] if routing else None), extra
 
     def verify(self, req: Request, out: SpecForward, i: int) -> Verdict | None:
@@ -158,13 +173,18 @@ class Speculator:
         return verdict
 
     def commit(self, req: Request, i: int, n: int, verdict: Verdict, out: SpecForward) -> None:
-        """Keep entry i's accepted drafts: all of them, or roll the slot back to before the step (its windows and
-        recurrent states from the snapshot; `num_cached` back by the `n` known tokens fed) so that the known
-        tokens and the accepted drafts are fed again next step. Counts the verification."""
-        d = len(req.drafts)
-        if verdict.accepted < d:
+        """Keep entry i's accepted drafts: all of them; some, from the step's per-position material (`out.kept`:
+        the slot's windows and recurrent states after its last accepted token); or else roll the slot back to
+        before the step (the snapshot; `num_cached` back by the `n` known tokens fed) so that the known tokens and
+        the accepted drafts are fed again next step. Counts the verification."""
+        d, recomputed = len(req.drafts), 0
+        if verdict.accepted < d and out.kept is not None:
+            self.cache.keep_prefix(out.snapshot, out.kept, req.slot, i, out.cu[i], n + verdict.accepted)
+            req.num_cached += verdict.accepted
+        elif verdict.accepted < d:
             self.cache.restore(out.snapshot, [req.slot])
             req.num_cached -= n
+            recomputed = n + verdict.accepted
         else:
             req.num_cached += d
         out.valid[i] = n + verdict.accepted
@@ -172,7 +192,7 @@ class Speculator:
         req.num_drafted += d
         req.num_accepted += verdict.accepted
         req.num_verify_steps += 1
-        self.stats.speculation(d, verdict.accepted, 0 if verdict.accepted == d else n + verdict.accepted)
+        self.stats.speculation(d, verdict.accepted, recomputed)
         if d and self.auto is not None:
             self.auto.observe(req, d, verdict.accepted)
 
