@@ -213,6 +213,33 @@ def test_equal_short_sequences_step_as_the_decode_step_does(N, L, dtype):
     assert torch.equal(o2, want) and torch.equal(final2, S) and torch.equal(init, before)
 
 
+def test_short_sequences_of_several_lengths_keep_the_state_after_each_position():
+    """A verify step of entries of unequal lengths (drafts of several lengths, an entry without drafts) keeps, per
+    position t, every sequence's state after t (its final state once it has ended): the decode step's, run one
+    sequence at a time, bit for bit (the batched step's products and elementwise steps are per row)."""
+    from flashnext.batch import make_segments
+    from flashnext.ops import deltanet
+    from flashnext.ops.deltanet_step import gated_delta_step
+
+    cu = [0, 3, 4, 8, 10]
+    q, k, v, g, beta = [t.detach().float() for t in _inputs(cu, 4, 16, 8)]
+    init = torch.randn(4, 4, 16, 8, generator=torch.Generator().manual_seed(6))
+    seg = make_segments(torch.tensor(cu, dtype=torch.int32), cu[-1])
+    o, final, states = deltanet.gated_delta_rule(q, k, v, g, beta, seg, init, positions=True)
+    assert states.shape == (4, 4, 4, 16, 8)
+    for n in range(4):
+        S = init[n : n + 1]
+        for t in range(4):
+            if cu[n] + t < cu[n + 1]:
+                at = [cu[n] + t]
+                o_t, S = gated_delta_step(q[at], k[at], v[at], g[at], beta[at], S)
+                assert torch.equal(o[at], o_t)
+            assert torch.equal(states[t, n], S[0])
+        assert torch.equal(final[n], S[0])
+    with pytest.raises(ValueError, match="lengths"):
+        deltanet.gated_delta_rule(q, k, v, g, beta, make_segments(torch.tensor([0, 10]), 10), init[:1], positions=True)
+
+
 @pytest.mark.parametrize("C", [16, 20, 64], ids=lambda c: f"C{c}")
 def test_inference_solve_takes_lapack_and_equals_the_batched_inverse(C, monkeypatch):
     """Without grad on CPU, a few systems (one short prefill's chunks) are solved by LAPACK's unit-triangular

@@ -178,7 +178,7 @@ class StepBatch(Step):
             buffer (`gather`, `store`) instead of by index; None otherwise.
         scratch_slot: static steps: the cache's scratch slot (where padding, and a block plan's unused candidates,
             write).
-        kept: a verify step of equal-length entries (`serve.speculative`): a list the stateful layers add to
+        kept: a verify step of short entries (`serve.speculative`): a list the stateful layers add to
             (`StepState.keep`): per window buffer the stream rows the step fed (flat [T, ...]), per recurrent one
             the state after every position ([L, N, ...]), so a rejection keeps the accepted prefix; else None.
     """

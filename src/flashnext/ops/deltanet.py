@@ -28,7 +28,7 @@ import torch
 from flashnext.batch import Segments
 from flashnext.ops import rows
 from flashnext.ops.deltanet_ref import prepare_qk
-from flashnext.ops.deltanet_step import equal_short_gated_delta_rule, gated_delta_step, short_gated_delta_rule
+from flashnext.ops.deltanet_step import gated_delta_step, short_gated_delta_rule
 
 CHUNK = 64
 SHORT = 8  # sequences continuing a state with at most this many tokens: the per-position recurrence
@@ -56,8 +56,9 @@ def gated_delta_rule(
         initial_state: optional fp32 [N, H, K, V], the state before each sequence (zeros when None).
         in_place: the final state may be written over `initial_state` (a decode step on a contiguous fp32 state
             that is not read afterwards, e.g. a slice of the serving cache).
-        positions: also return the state after every position, fp32 [L, N, H, K, V]: sequences of one length
-            L in [2, SHORT] continuing states only (a verify step, `can_keep_positions`).
+        positions: also return the state after every position, fp32 [L, N, H, K, V] (L the longest sequence; a
+            shorter one keeps its final state past its end): short sequences continuing states only (a verify
+            step, `can_keep_positions`).
 
     Returns:
         o [T, H, V] in v's dtype and the final fp32 state [N, H, K, V] (and with `positions` the states).
@@ -65,7 +66,7 @@ def gated_delta_rule(
     if positions:
         if initial_state is None or not can_keep_positions(seg.lengths):
             raise ValueError(f"per-position states need equal short sequences; got lengths {seg.lengths}")
-        return equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions=True)
+        return short_gated_delta_rule(q, k, v, g, beta, seg, initial_state, positions=True)
     if initial_state is not None and seg.is_decode:
         return gated_delta_step(q, k, v, g, beta, initial_state, in_place=in_place)
     if initial_state is not None and seg.max_seqlen <= SHORT:
@@ -79,8 +80,9 @@ def gated_delta_rule(
 
 
 def can_keep_positions(lengths: list[int]) -> bool:
-    """Whether `gated_delta_rule` can return the state after every position of sequences of these lengths."""
-    return len(set(lengths)) == 1 and 2 <= lengths[0] <= SHORT
+    """Whether `gated_delta_rule` can return the state after every position of sequences of these lengths (the
+    short path: not a decode step, none longer than `SHORT`)."""
+    return 2 <= max(lengths) <= SHORT
 
 
 def fitted_chunk(max_seqlen: int) -> int:

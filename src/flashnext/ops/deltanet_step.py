@@ -90,17 +90,20 @@ def short_gated_delta_rule(
     beta: torch.Tensor,
     seg: Segments,
     initial_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: bool = False,
+):
     """Short sequences continuing states: `gated_delta_step` at each position t, over the sequences longer than t.
 
-    Args/returns as `gated_delta_rule` (`initial_state` required, not modified).
+    Args/returns as `gated_delta_rule` (`initial_state` required, not modified); `positions`: also the states after
+    each position, fp32 [max_seqlen, N, H, K, V] (a sequence shorter than t + 1 keeps its final state at t).
     """
     if len(set(seg.lengths)) == 1 and initial_state.shape[0] == len(seg.lengths):
-        return equal_short_gated_delta_rule(q, k, v, g, beta, initial_state)
+        return equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions)
     starts, lengths = seg.cu_host[:-1], seg.lengths
     S = initial_state.float().clone()
     o = v.new_empty(v.shape)
     everyone = torch.arange(len(lengths), device=v.device)
+    states = []
     for t in range(seg.max_seqlen):
         live = [n for n, length in enumerate(lengths) if length > t]
         at = torch.tensor([starts[n] + t for n in live], dtype=torch.long, device=v.device)
@@ -109,7 +112,9 @@ def short_gated_delta_rule(
         o_t, s_t = gated_delta_step(*pick, S.index_select(0, idx))
         o.index_copy_(0, at, o_t)
         S.index_copy_(0, idx, s_t)
-    return o, S
+        if positions:
+            states.append(S.clone())
+    return (o, S, torch.stack(states)) if positions else (o, S)
 
 
 def equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions: bool = False):

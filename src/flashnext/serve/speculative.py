@@ -14,22 +14,22 @@ the last known token and of every draft (`SpecForward`), so one step verifies 1 
   is drawn from p. That is rejection sampling against q: every emitted token has exactly the target's
   distribution, whatever the drafts.
 
-Rollback. After the step the entry's window and recurrent state include every draft. When all d are accepted that
-is the state wanted. Otherwise, where the step's entries were of one short length (a batch-1 verify step, or a
-batch whose requests all verify as many drafts) and their states fit `KEEP_BYTES`, the step kept per-position
-material (`StepBatch.kept`: each recurrent layer's state after every position, each window's fed rows), and the
-engine sets the slot's windows and recurrent states to those after its last accepted token (`StateCache.keep_prefix`,
-the windows' earlier rows from a snapshot taken before the step): the request goes on from there, as vLLM keeps the
-state of every verified position. Else the engine restores the slot's window and recurrent state from the snapshot
-(`StateCache.snapshot` / `restore`) and puts `num_cached` back, so the request's next step feeds this step's known
-tokens and accepted drafts again, then its new token and new drafts: the replay rides in the next verify step (a
-batch-1 step is weight-bound, so a few more tokens in it cost little) instead of a step of its own. Positional state
-(QSA keys and values, the head's cells) needs nothing: rows past the accepted length are never read before they are
-written again (`model.state`). So that a replay stays bounded when drafts keep failing, a request whose pending
-known tokens exceed k + 1 gets no drafts for a step (its state is exact again after it): `draft_count`. Keeping
-rather than replaying (deep tiny config, batch 1, eager, thread time): a k = 2 step that accepted one draft had
-re-fed 3, then 5 tokens and then drafted nothing for a step; "auto" measured k = 2 in such steps and kept k = 1
-(1.49x plain), and now drafts 2 (1.62x).
+Rollback. After the step the entry's window and recurrent state include every draft. When all d are accepted that is
+the state wanted. Otherwise, where the step's entries were short (at most `ops.deltanet.SHORT` tokens each: a decode
+batch verifying drafts, not one carrying a prompt chunk) and their states fit `KEEP_BYTES`, the step kept per-
+position material (`StepBatch.kept`: each recurrent layer's state after every position, each window's fed rows), and
+the engine sets the slot's windows and recurrent states to those after its last accepted token
+(`StateCache.keep_prefix`, the windows' earlier rows from a snapshot taken before the step): the request goes on
+from there, as vLLM keeps the state of every verified position. Else the engine restores the slot's window and
+recurrent state from the snapshot (`StateCache.snapshot` / `restore`) and puts `num_cached` back, so the request's
+next step feeds this step's known tokens and accepted drafts again, then its new token and new drafts: the replay
+rides in the next verify step (a batch-1 step is weight-bound, so a few more tokens in it cost little) instead of a
+step of its own. Positional state (QSA keys and values, the head's cells) needs nothing: rows past the accepted
+length are never read before they are written again (`model.state`). So that a replay stays bounded when drafts keep
+failing, a request whose pending known tokens exceed k + 1 gets no drafts for a step (its state is exact again after
+it): `draft_count`. Keeping rather than replaying (deep tiny config, batch 1, eager, thread time): a k = 2 step that
+accepted one draft had re-fed 3, then 5 tokens and then drafted nothing for a step; "auto" measured k = 2 in such
+steps and kept k = 1 (1.49x plain), and now drafts 2 (1.62x).
 
 Proposal (`propose`, after sampling). The head's cell i needs the trunk's residual R_i and the token x_{i+1}. The
 step returns every token's residual (valid up to the last accepted position of each entry), so each speculating
@@ -75,8 +75,8 @@ class SpecForward:
         snapshot: window/recurrent state of the slots that carried drafts, taken before the step.
         valid: per entry, how many of its fed tokens are committed (known tokens + accepted drafts): the residual
             rows the head may read.
-        kept: the step's per-position material (`StepBatch.kept`) when its entries were of one short length, else
-            None (a rejection then rolls back to the snapshot and replays).
+        kept: the step's per-position material (`StepBatch.kept`) when its entries were short, else None (a
+            rejection then rolls back to the snapshot and replays).
     """
 
     logits: torch.Tensor
@@ -135,7 +135,7 @@ class Speculator:
         with_drafts = [req.slot for req, _ in plan if req.drafts]
         snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
         lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        if with_drafts and can_keep_positions(lengths) and len(plan) * lengths[0] * self.state_bytes <= KEEP_BYTES:
+        if with_drafts and can_keep_positions(lengths) and len(plan) * max(lengths) * self.state_bytes <= KEEP_BYTES:
             step.kept = []  # the stateful layers keep per-position material: a rejection keeps the accepted prefix
         rows_t = torch.tensor(rows + list(extra_rows or ()), dtype=torch.long, device=self.device)
         logits, residual, *routed = self.model.forward_step(
