@@ -20,7 +20,7 @@ from serve_helpers import StepFault, small_model
 from spec_helpers import KnownDrafts, compare_greedy, full_forward_logprobs, run_mixed, spec_model
 
 from flashnext.errors import ConfigError
-from flashnext.model.state import POSITIONAL
+from flashnext.model.state import POSITIONAL, RECURRENT, WINDOW
 from flashnext.serve import speculative
 from flashnext.serve.engine import Engine
 from flashnext.serve.sampling import FieldError, SamplingParams
@@ -128,16 +128,19 @@ def test_rollback_restores_and_rejected_writes_stay_invisible(model, monkeypatch
     torch.testing.assert_close(torch.tensor(req.logprobs), full, atol=1e-5, rtol=0)
 
 
-def test_a_rejection_keeps_the_accepted_prefix_without_a_replay(model):
+def test_a_rejection_keeps_the_accepted_prefix_without_a_replay(model, monkeypatch):
     """A lone request's verify step is one short entry, so the step keeps the state after every position: after a
     rejection the slot continues from its last accepted token (`num_cached` past the known tokens and the accepted
     drafts, no token fed again), its window and recurrent states equal a plain run's after the same tokens (1e-5:
     the verify step's products run on more rows), and with every positional row past the committed length
-    poisoned the request still gives the plain tokens and log-probs equal to one full forward's (1e-5)."""
+    poisoned the request still gives the plain tokens and log-probs equal to one full forward's (1e-5). The
+    snapshots before such steps copy the windows alone (the recurrent states come from the step)."""
     prompt = PROMPTS[5]
     params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=0)
     want = run_mixed(_engine(model, 0), [prompt], [params], [0])[0]
     plain_engine, engine = _engine(model, 0), _engine(model, 3)
+    snapshot, copied = engine.cache.snapshot, []
+    monkeypatch.setattr(engine.cache, "snapshot", lambda *a, **k: copied.append(snapshot(*a, **k)) or copied[-1])
     KnownDrafts(engine, {tuple(prompt): want.output_ids}, p_wrong=0.4, seed=3)
     ref, req = plain_engine.add_request(prompt, params), engine.add_request(prompt, params)
     engine.step()  # admission and prefill
@@ -164,6 +167,8 @@ def test_a_rejection_keeps_the_accepted_prefix_without_a_replay(model):
             else:
                 torch.testing.assert_close(buf[req.slot], ref_buf[ref.slot], atol=1e-5, rtol=0)
     assert checked >= 3 and engine.stats.spec_replayed_tokens == 0
+    copied_kinds = {kinds[id(buf)] for snap in copied for buf, _ in snap.rows}
+    assert copied and RECURRENT not in copied_kinds and copied_kinds == {WINDOW}
     assert req.output_ids == want.output_ids
     full = full_forward_logprobs(model, prompt, req.output_ids)
     torch.testing.assert_close(torch.tensor(req.logprobs), full, atol=1e-5, rtol=0)

@@ -112,10 +112,12 @@ class StateCache:
 
     # ---- taking positions back ------------------------------------------------------------------------
     @torch.no_grad()
-    def snapshot(self, slots: list[int]) -> Snapshot:
-        """Copy the window and recurrent state of `slots` (what a step overwrites and a rollback must restore)."""
+    def snapshot(self, slots: list[int], windows_only: bool = False) -> Snapshot:
+        """Copy the window and recurrent state of `slots` (what a step overwrites and a rollback must restore);
+        `windows_only`: the windows alone (a step keeping its per-position states: `keep_prefix` needs no more)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self._fills[0][0].device)
-        rows = [(buf, buf.index_select(0, idx)) for buf, kind in self._kinds if kind != POSITIONAL]
+        skip = (POSITIONAL, RECURRENT) if windows_only else (POSITIONAL,)
+        rows = [(buf, buf.index_select(0, idx)) for buf, kind in self._kinds if kind not in skip]
         return Snapshot(list(slots), rows)
 
     @torch.no_grad()

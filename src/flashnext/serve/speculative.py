@@ -72,7 +72,7 @@ class SpecForward:
         cached: per entry, its `num_cached` before the step (its first fed position).
         first_row: per entry, the row of `logits` of its last known token (None: a prompt chunk that samples
             nothing).
-        snapshot: window/recurrent state of the slots that carried drafts, taken before the step.
+        snapshot: window (and, unless `kept`, recurrent) state of the slots that carried drafts, before the step.
         valid: per entry, how many of its fed tokens are committed (known tokens + accepted drafts): the residual
             rows the head may read.
         kept: the step's per-position material (`StepBatch.kept`) when its entries were short, else None (a
@@ -133,10 +133,13 @@ class Speculator:
             else:
                 first.append(None)
         with_drafts = [req.slot for req, _ in plan if req.drafts]
-        snapshot = self.cache.snapshot(with_drafts) if with_drafts else None
         lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        if with_drafts and can_keep_positions(lengths) and len(plan) * max(lengths) * self.state_bytes <= KEEP_BYTES:
+        keep = can_keep_positions(lengths) and len(plan) * max(lengths) * self.state_bytes <= KEEP_BYTES
+        if with_drafts and keep:
             step.kept = []  # the stateful layers keep per-position material: a rejection keeps the accepted prefix
+        # kept: the windows' earlier rows only (the recurrent states come from the step: a copy saved of the largest
+        # state per slot, 113 MB in the released model's 36 GDN layers); else everything a rollback restores
+        snapshot = self.cache.snapshot(with_drafts, windows_only=keep) if with_drafts else None
         rows_t = torch.tensor(rows + list(extra_rows or ()), dtype=torch.long, device=self.device)
         logits, residual, *routed = self.model.forward_step(
             ids, step, self.cache, inputs_embeds=embeds, rows=rows_t, with_residual=True, return_routing=routing
