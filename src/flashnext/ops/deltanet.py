@@ -65,7 +65,7 @@ def gated_delta_rule(
     """
     if positions:
         if initial_state is None or not can_keep_positions(seg.lengths):
-            raise ValueError(f"per-position states need equal short sequences; got lengths {seg.lengths}")
+            raise ValueError(f"per-position states need sequences of 2 to {SHORT} tokens; got lengths {seg.lengths}")
         return short_gated_delta_rule(q, k, v, g, beta, seg, initial_state, positions=True)
     if initial_state is not None and seg.is_decode:
         return gated_delta_step(q, k, v, g, beta, initial_state, in_place=in_place)

@@ -103,7 +103,7 @@ def short_gated_delta_rule(
     S = initial_state.float().clone()
     o = v.new_empty(v.shape)
     everyone = torch.arange(len(lengths), device=v.device)
-    states = []
+    states = S.new_empty(seg.max_seqlen, *S.shape) if positions else None
     for t in range(seg.max_seqlen):
         live = [n for n, length in enumerate(lengths) if length > t]
         at = torch.tensor([starts[n] + t for n in live], dtype=torch.long, device=v.device)
@@ -112,9 +112,9 @@ def short_gated_delta_rule(
         o_t, s_t = gated_delta_step(*pick, S.index_select(0, idx))
         o.index_copy_(0, at, o_t)
         S.index_copy_(0, idx, s_t)
-        if positions:
-            states.append(S.clone())
-    return (o, S, torch.stack(states)) if positions else (o, S)
+        if states is not None:
+            states[t] = S
+    return (o, S) if states is None else (o, S, states)
 
 
 def equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions: bool = False):
@@ -144,8 +144,7 @@ def equal_short_gated_delta_rule(q, k, v, g, beta, initial_state, positions: boo
     decays, betas = split(g.float().exp(), (1, 1)), split(beta.float(), (1, 1))
     S = initial_state.float().reshape(N * H, K, V)
     states = torch.empty(L, N * H, K, V, device=v.device) if positions else None
-    if not positions:
-        S = S.clone()
+    S = S if positions else S.clone()  # kept: each position steps into its own buffer, the input read at t = 0
     o = torch.empty(L, N * H, 1, V, dtype=torch.float32, device=v.device)
     for t, o_t in enumerate(o.unbind(0)):
         pred = torch.bmm(ks[t], S).mul_(decays[t])  # k^T (decay * S) as decay * (k^T S), as the step

@@ -69,6 +69,7 @@ class StateCache:
                     bufs[field] = buf
                 parts[name] = type(spec)(**bufs)
             self.layers.append(parts)
+        self._kind_of = {id(buf): kind for buf, kind in self._kinds}  # buffer -> its kind (`keep_prefix`)
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out the lowest slot first
 
     # ---- slots ---------------------------------------------------------------------------------------
@@ -144,9 +145,8 @@ class StateCache:
         (before the step) followed by the first `count` rows the entry fed (from flat row `start`)."""
         at = snap.slots.index(slot)
         before = {id(buf): rows[at] for buf, rows in snap.rows}
-        kinds = {id(buf): kind for buf, kind in self._kinds}
         for buf, rows in kept:
-            if kinds[id(buf)] == RECURRENT:  # [L, N, ...] the states after each position
+            if self._kind_of[id(buf)] == RECURRENT:  # [L, N, ...] the states after each position
                 buf[slot].copy_(rows[count - 1, entry])
             else:  # a window over a stream: [W, ...] rows before the step, then the fed ones
                 stream = torch.cat([before[id(buf)], rows[start : start + count].to(buf.dtype)])

@@ -134,8 +134,9 @@ class Speculator:
                 first.append(None)
         with_drafts = [req.slot for req, _ in plan if req.drafts]
         lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        keep = can_keep_positions(lengths) and len(plan) * max(lengths) * self.state_bytes <= KEEP_BYTES
-        if with_drafts and keep:
+        keep = bool(with_drafts) and can_keep_positions(lengths)
+        keep = keep and len(plan) * max(lengths) * self.state_bytes <= KEEP_BYTES
+        if keep:
             step.kept = []  # the stateful layers keep per-position material: a rejection keeps the accepted prefix
         # kept: the windows' earlier rows only (the recurrent states come from the step: a copy saved of the largest
         # state per slot, 113 MB in the released model's 36 GDN layers); else everything a rollback restores
