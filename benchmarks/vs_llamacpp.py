@@ -1,6 +1,7 @@
 """flashnext's engine vs llama.cpp on the same weights in the same dtype (only where a llama.cpp build exists).
 
     LLAMA_CPP_DIR=/path/to/llama.cpp/build python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--decode-graph]
+        [--freeze-weights]
 
 `LLAMA_CPP_DIR` is a llama.cpp build with the `qwen4exp` architecture (e.g. the one vendored in the
 `llama-cpp-python` 0.3.36 source distribution), holding `llama-batched-bench` and `llama-simple` (in it, `bin/` or
@@ -240,6 +241,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-graph", action="store_true", help="our decode steps as the compiled decode step")
+    parser.add_argument(
+        "--freeze-weights",
+        action="store_true",
+        help="with --decode-graph: the weights frozen into our graphs (`serve.frozen`), as llama.cpp's are fixed",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quant",
@@ -272,7 +278,8 @@ def main(argv=None) -> int:
             gguf = quantize_both(model, gguf, Path(root))
         for b in args.batches:
             engine = Engine(model, max_slots=b, max_model_len=PROMPT_LEN + NEW_TOKENS + 1,
-                            decode_graph=args.decode_graph, decode_buckets=[b])  # fmt: skip
+                            decode_graph=args.decode_graph, decode_buckets=[b],
+                            freeze_weights=args.freeze_weights)  # fmt: skip
             if engine.decode_graph is not None:
                 print(f"# decode graph batch={b}: compiled in {engine.decode_graph.warmup()[b]:.1f} s", flush=True)
             if engine.chunk_graph is not None and b == 1:  # a batch-1 prompt of 32 tokens: one compiled piece

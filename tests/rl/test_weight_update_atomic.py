@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
 from serve_helpers import running_server  # noqa: E402
 
 from flashnext.build import build_model  # noqa: E402
-from flashnext.errors import FlashNextError, InputError  # noqa: E402
+from flashnext.errors import ConfigError, FlashNextError, InputError  # noqa: E402
 from flashnext.rl import weights  # noqa: E402
 from flashnext.rl.inference import post_json  # noqa: E402
 from flashnext.serve.engine import Engine  # noqa: E402
@@ -80,6 +80,20 @@ def _good_pieces(model) -> list[WeightPiece]:
     """New values for the first two parameters (these would change the model if applied)."""
     (n1, p1), (n2, p2) = list(model.named_parameters())[:2]
     return [WeightPiece(n1, torch.full_like(p1, 0.5)), WeightPiece(n2, torch.full_like(p2, -0.5))]
+
+
+def test_an_engine_with_frozen_graphs_refuses_updates(tok):
+    """Weights frozen into the graphs (`serve.frozen`): `load_weights` raises and the admin route answers 409 before
+    pausing anything; nothing is copied (no graph is compiled either: the refusal needs none)."""
+    model = text_model()
+    engine = Engine(model, tok, 2, 64, 32, decode_graph=True, prefill_lengths=[], freeze_weights=True)
+    before = _snapshot(model)
+    with pytest.raises(ConfigError, match="frozen"):
+        engine.load_weights(_good_pieces(model))
+    with running_server(build_app(engine, "tiny", admin_key=KEY, log_every=1e9)) as url:
+        status, body = _post(url, "/admin/weights/begin", b"")
+    assert status == 409 and "frozen" in json.dumps(body)
+    assert _unchanged(model, before) and engine.decode_graph.compiles == 0
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "name"])

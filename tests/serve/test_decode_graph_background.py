@@ -218,7 +218,11 @@ def test_generate_starts_eagerly_and_says_when_it_switches(tmp_path, capsys, mon
     compiled, and prints the tokens of the plain `generate` (the compile backend is "eager" here: the wiring, not
     inductor, is under test; the slow test below runs inductor)."""
     init = DecodeGraph.__init__
-    monkeypatch.setattr(DecodeGraph, "__init__", lambda self, m, c, b=None, backend=None: init(self, m, c, b, "eager"))
+
+    def eager_init(self, m, c, b=None, backend=None, frozen=False):
+        init(self, m, c, b, "eager", frozen)
+
+    monkeypatch.setattr(DecodeGraph, "__init__", eager_init)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # restored after the test (the flag sets it)
     common = ["--ids", "5,9,14,3,7", "--max-tokens", "8", "--threads", "1", "--max-slots", "2"]
     assert cli_main(["generate", *common]) == 0

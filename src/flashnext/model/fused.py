@@ -34,10 +34,18 @@ weights then run in fp32 (`upcasts`): through the fp32 copy at any row count whe
 weight upcast per call (`linear`: 0.31 ms there), one rounding to the input's dtype at the end as before. The
 compiled reductions are unaffected (they upcast as they read).
 
+Frozen graphs (`frozen_products`, a decode graph built with `frozen=True`): inductor folds the weights into the
+graph as constants and packs them for its own GEMM kernels (its C++ GEMM template); every product there is
+`F.linear`, the form that template takes (`x` row-major, the constant weight as the second operand), at any row
+count: no reductions, no transposed products. An upcast weight (`weight.float()`) folds into an fp32 constant.
+
 Legend: M rows of input, K input features, N output features (summed over the group).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +93,8 @@ def _gemm(x, weight, bias, fused: bool, contiguous: bool, private: bool = False)
     rows: 20.9 -> 12.9 us warm, 52.7 -> 39.6 us with the cache flushed; at 512 KB the transposed product still wins
     cold from 2 rows). An eager verify step of the deep tiny config makes ~200 such products."""
     compiling = _compiling()
+    if compiling and _frozen():
+        return F.linear(x, weight, bias)
     late = x.dim() == 2 and x.shape[0] > GRAPH_ROW_MAJOR and compiling
     small = not compiling and weight.numel() * weight.element_size() <= SMALL_WEIGHT
     skinny = fused and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS
@@ -106,7 +116,7 @@ def reduces(x: torch.Tensor) -> bool:
 
 def reduced(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
     """`reduces` for an input of `rows` rows of `dtype` on `device` (a product's input not built yet)."""
-    if not _compiling() or device.type != "cpu":
+    if not _compiling() or device.type != "cpu" or _frozen():
         return False
     return rows <= (REDUCED_ROWS if NATIVE_GEMM.get(dtype, True) else 1)
 
@@ -161,6 +171,24 @@ def _compiling() -> bool:
     for a whole compile session, so it also reads True in eager code running in another thread meanwhile (an
     engine stepping eager while its decode graph compiles in the background)."""
     return torch.compiler.is_dynamo_compiling()
+
+
+_TRACE = threading.local()  # per thread: dynamo traces in the calling thread (a background compile has its own)
+
+
+@contextlib.contextmanager
+def frozen_products():
+    """Products traced in this thread meanwhile are for a graph compiled with frozen weights (module doc)."""
+    before = getattr(_TRACE, "frozen", False)
+    _TRACE.frozen = True
+    try:
+        yield
+    finally:
+        _TRACE.frozen = before
+
+
+def _frozen() -> bool:
+    return getattr(_TRACE, "frozen", False)
 
 
 def apply_linear(m: nn.Linear, x: torch.Tensor, fused: bool = False, contiguous: bool = True) -> torch.Tensor:

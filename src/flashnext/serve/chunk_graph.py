@@ -49,10 +49,12 @@ class ChunkGraph(DecodeGraph):
 
     NAME, UNIT = "prefill", "length"
 
-    def __init__(self, model, cache, lengths: Sequence[int] | None = None, backend: str = "inductor"):
+    def __init__(
+        self, model, cache, lengths: Sequence[int] | None = None, backend: str = "inductor", frozen: bool = False
+    ):
         if next(model.parameters()).device.type != "cpu":
             raise ConfigError("the compiled prefill chunks are CPU graphs (on CUDA, prefill runs eager)")
-        super().__init__(model, cache, lengths, backend)
+        super().__init__(model, cache, lengths, backend, frozen)
 
     @staticmethod
     def _sizes(lengths: Sequence[int] | None, max_slots: int) -> list[int]:

@@ -70,7 +70,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flashnext.serve import prompt_logprobs
+from flashnext.errors import ConfigError
+from flashnext.serve import frozen, prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.chunk_graph import ChunkGraph
 from flashnext.serve.decode_graph import DecodeGraph
@@ -112,6 +113,8 @@ class Engine:
         prefill_lengths: CPU with `decode_graph`: the piece lengths of the compiled batch-1 prompt chunks
             (`chunk_graph.ChunkGraph`; default `chunk_graph.CHUNK_LENGTHS`; empty: none, prefill stays eager).
         compile_backend: torch.compile backend of the CPU decode graph ("inductor").
+        freeze_weights: CPU with `decode_graph`: compile the graphs with the weights frozen into them (faster
+            products at 2+ rows; `serve.decode_graph`'s module doc); weight loads are then refused.
         prefix_cache: reuse the state of prompt prefixes seen before (`serve.prefix_cache`); False: prefill every
             prompt whole.
         prefix_cache_mb: the prefix cache's budget in MiB (on the cache's device).
@@ -133,6 +136,7 @@ class Engine:
         decode_buckets: Sequence[int] | None = None,
         prefill_lengths: Sequence[int] | None = None,
         compile_backend: str = "inductor",
+        freeze_weights: bool = False,
         prefix_cache: bool = True,
         prefix_cache_mb: float = DEFAULT_BUDGET_MB,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
@@ -167,11 +171,10 @@ class Engine:
         if self.spec_auto is not None:
             self.speculator.auto = self.spec_auto
             self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then
-        graph = DecodeGraph(self.model, self.cache, decode_buckets, compile_backend) if decode_graph else None
-        self.decode_graph = graph  # decode-only steps as one compiled / captured graph per batch bucket
-        # batch-1 prompt chunks as compiled pieces (CPU), used once a length is compiled (warmup / background)
-        chunks = decode_graph and self.device.type == "cpu" and (prefill_lengths is None or len(prefill_lengths) > 0)
-        self.chunk_graph = ChunkGraph(self.model, self.cache, prefill_lengths, compile_backend) if chunks else None
+        self.frozen = freeze_weights  # weights folded into the graphs: weight loads refused
+        self.decode_graph, self.chunk_graph = _graphs(  # decode-only steps, batch-1 prompt chunks (CPU) as graphs
+            self.model, self.cache, decode_graph, decode_buckets, prefill_lengths, compile_backend, freeze_weights
+        )
         self.intake = Intake(self.model, tokenizer, self.cache.max_slots, max_model_len, k, self.speculator is not None)
         self.max_prompt_bytes = self.intake.max_prompt_bytes  # a longer text prompt is refused before tokenizing
         self.model_step = ModelStep(
@@ -220,7 +223,12 @@ class Engine:
     def load_weights(self, pieces) -> tuple[int, int]:
         """Copy new weights into the model in place: `(name, tensor[, start row])` pieces by state-dict name
         (`serve.weight_update.copy_pieces`; the fused serving weights rebuild on next use). Call it between steps,
-        from the thread that steps the engine or while that thread is parked. Returns (pieces, bytes copied)."""
+        from the thread that steps the engine or while that thread is parked. Returns (pieces, bytes copied).
+
+        Raises:
+            ConfigError: the engine's graphs hold the weights frozen (`freeze_weights`); nothing is copied."""
+        if self.frozen:
+            raise ConfigError(frozen.REFUSAL)
         self._weights_generation += 1  # even a failed load may have copied some pieces
         return copy_pieces(self.model, pieces)
 
@@ -334,3 +342,16 @@ class Engine:
         while not all(c.finished for c in choices):
             self.step()
         return [c.completion(self.tokenizer is not None) for c in choices]
+
+
+def _graphs(model, cache, decode_graph, buckets, prefill_lengths, backend, frozen) -> tuple:
+    """The engine's compiled (captured) step graphs: (`DecodeGraph` | None, `ChunkGraph` | None); prompt chunks
+    only on CPU, each length used once compiled (warmup / background)."""
+    if frozen and not decode_graph:
+        raise ConfigError("freeze_weights freezes the weights into the decode graph: it needs decode_graph=True")
+    if not decode_graph:
+        return None, None
+    graph = DecodeGraph(model, cache, buckets, backend, frozen)
+    if graph.device.type != "cpu" or (prefill_lengths is not None and len(prefill_lengths) == 0):
+        return graph, None
+    return graph, ChunkGraph(model, cache, prefill_lengths, backend, frozen)

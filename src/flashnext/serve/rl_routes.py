@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashnext.errors import FlashNextError
+from flashnext.serve import frozen
 from flashnext.serve.handlers import Stream, error_response, off_loop
 from flashnext.serve.protocol import controls_fields
 from flashnext.serve.sampling import FieldError, SamplingParams
@@ -232,6 +233,8 @@ class RLRoutes:
             return refused
         if not timeout_s > 0:
             return error_response(400, f"invalid request: timeout_s must be > 0, got {timeout_s}", param="timeout_s")
+        if self.engine.frozen:
+            return error_response(409, frozen.REFUSAL, "conflict")
         if self.update is not None and self.routes.loop.paused:
             return error_response(409, f"weight update {self.update['id']} is in progress", "conflict")
         t0 = time.perf_counter()

@@ -1,0 +1,86 @@
+"""Decode graphs compiled with the weights frozen into them (`serve.frozen`, `DecodeGraph(frozen=True)`,
+`Engine(freeze_weights=True)`): inductor, the weights as graph constants.
+
+Tolerances: the frozen graph multiplies through inductor's C++ GEMM template, the eager engine through MKL: other
+blockings of the same fp32 sums, equal to fp32 rounding, not bitwise. The graph against itself is bitwise (the same
+compiled function on the same inputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serve_helpers import small_model
+
+from flashnext.errors import ConfigError
+from flashnext.quant.apply import QuantScheme, quantize_model
+from flashnext.serve.cache import StateCache
+from flashnext.serve.decode_graph import DecodeGraph
+from flashnext.serve.engine import Engine
+from flashnext.serve.sampling import SamplingParams
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+KW = dict(max_slots=2, max_model_len=48, max_num_batched_tokens=16)
+
+
+@pytest.fixture
+def model(small_config):
+    cfg = {**small_config, "num_hidden_layers": 2, "layer_types": ["linear_attention", "indexed_attention"]}
+    return small_model({**cfg, "ple_layer_ids": [1]})
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (6, 9)]
+
+
+def _same(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), **TOL)
+
+
+def test_frozen_graphs_hold_the_weights_and_retire_when_they_change(model):
+    """The frozen engine's tokens and log-probs equal the eager engine's. The weights are constants of its graph:
+    after an in-place update the graph itself still computes the old function, bit for bit (which is why it
+    retires); the engine notices the change before its next step, retires the graphs (no recompile) and its
+    output equals an eager engine's on the new weights. A weight load is refused, the weights left as they were."""
+    prompts = _prompts(0)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0) for _ in prompts]
+    engine = Engine(model, **KW, decode_graph=True, decode_buckets=[2], prefill_lengths=[], freeze_weights=True)
+    _same(engine.generate(prompts, params), Engine(model, **KW).generate(prompts, params))
+    graph, cache = engine.decode_graph, engine.cache
+    assert graph.compiles == 1 and graph.bound() == [2] and graph.ready_for(2)
+
+    saved = [b.clone() for b in cache.buffers()]
+
+    def raw_step():  # the bound graph itself, from the saved state, past the engine's checks
+        for b, s in zip(cache.buffers(), saved, strict=True):
+            b.copy_(s)
+        with torch.inference_mode():
+            return graph._call(2, *graph._inputs([5, 6], [0, 1], [9, 9], 2))[0].clone()
+
+    before = raw_step()
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.05)
+        model.model.layers[0].linear_attn.in_proj_qkv.weight.mul_(1.5)
+    assert torch.equal(raw_step(), before)
+
+    with pytest.raises(ConfigError, match="frozen"):
+        engine.load_weights([("lm_head.weight", torch.zeros_like(model.lm_head.weight))])
+    assert model.lm_head.weight.abs().sum() > 0
+    _same(engine.generate(prompts, params), Engine(model, **KW).generate(prompts, params))
+    assert graph.thawed and not graph.ready_for(2) and graph.compiles == 1
+    with pytest.raises(RuntimeError, match="retired"):
+        graph.run([5, 6], [0, 1], [9, 9])
+
+
+def test_frozen_graphs_refuse_what_they_cannot_hold(model, small_config):
+    """Quantized weights (they would fold into float constants), a frozen engine without a decode graph; the
+    refusals name what to change. Nothing is compiled."""
+    quantized = quantize_model(small_model(small_config), QuantScheme("int8", "int8"))
+
+    with pytest.raises(ConfigError, match="torch.int8.*--freeze-weights"):
+        DecodeGraph(quantized, StateCache(quantized, 2, 32), buckets=[2], frozen=True)
+    with pytest.raises(ConfigError, match="decode_graph=True"):
+        Engine(model, **KW, freeze_weights=True)
