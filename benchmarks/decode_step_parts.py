@@ -1,6 +1,6 @@
 """Where a compiled decode step's time goes: the engine's host work, dynamo's guards, the graph's wrapper, kernels.
 
-    python benchmarks/decode_step_parts.py [--batches 1 4 16] [--dtype float32] [--kernels 8]
+    python benchmarks/decode_step_parts.py [--batches 1 4 16] [--dtype float32] [--kernels 8] [--freeze-weights]
 
 Model: `vs_llamacpp.py`'s variant of the 31M benchmark config (vocab 4096), random weights, the engine with its
 decode graph compiled for each batch (inductor). Per batch, after warm-up, alternating 3 rounds of each:
@@ -47,13 +47,14 @@ def _vs_llamacpp():
     return module
 
 
-def engine_for(batch: int, dtype: torch.dtype, seed: int):
+def engine_for(batch: int, dtype: torch.dtype, seed: int, frozen: bool = False):
     from flashnext.build import build_model
     from flashnext.config import parse_config
     from flashnext.serve.engine import Engine
 
     model = build_model(parse_config(_vs_llamacpp().variant_config()), seed=seed, dtype=dtype)
-    engine = Engine(model, max_slots=batch, max_model_len=32 + 64 + 1, decode_graph=True, decode_buckets=[batch])
+    engine = Engine(model, max_slots=batch, max_model_len=32 + 64 + 1, decode_graph=True, decode_buckets=[batch],
+                    freeze_weights=frozen)  # fmt: skip
     engine.decode_graph.warmup()
     return engine
 
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kernels", type=int, default=0, help="list the N heaviest kernels of each batch")
+    parser.add_argument("--freeze-weights", action="store_true", help="the graphs with the weights frozen in")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
         inductor_config.cpp.enable_kernel_profile = True
     dtype = getattr(torch, args.dtype)
     for batch in args.batches:
-        engine = engine_for(batch, dtype, args.seed)
+        engine = engine_for(batch, dtype, args.seed, args.freeze_weights)
         gen = torch.Generator().manual_seed(args.seed)
         steps, models, graphs, bounds = [], [], [], []
         for _ in range(3):

@@ -17,6 +17,7 @@ from serve_helpers import running_server
 from flashnext import save_pretrained
 from flashnext.cli import _serve_app, build_parser
 from flashnext.cli import main as cli_main
+from flashnext.errors import ConfigError
 from flashnext.serve.loading import load_for_serving
 
 
@@ -175,7 +176,8 @@ def test_bad_device_is_named(capsys, device, needle):
 
 def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monkeypatch):
     """--dtype auto serves a bf16 checkpoint in bf16 and an fp32 one in fp32 (--dtype float32 overrides);
-    --decode-graph on builds the engine's decode graph over the given buckets (compiled on first use), off none."""
+    --decode-graph on builds the engine's decode graph over the given buckets (compiled on first use), off none;
+    --freeze-weights freezes its graphs, and without the decode graph is refused naming the flag it needs."""
     torch.set_num_threads(1)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # --decode-graph on sets it
     model, tok, _ = load_for_serving(None)
@@ -189,7 +191,12 @@ def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monk
     _, _, engine = _serve_app(build_parser().parse_args([*args, "--max-slots", "4", "--decode-buckets", "1,2"]))
     assert next(engine.model.parameters()).dtype == torch.float32
     assert engine.decode_graph.buckets == [1, 2, 4] and engine.decode_graph.compiles == 0
+    assert not engine.frozen and not engine.decode_graph.frozen
+    _, _, engine = _serve_app(build_parser().parse_args([*args, "--max-slots", "2", "--freeze-weights"]))
+    assert engine.frozen and engine.decode_graph.frozen and engine.chunk_graph.frozen
     assert cli_main(["generate", "--decode-buckets", "1,x", "--decode-graph", "on"]) == 1
+    with pytest.raises(ConfigError, match="--decode-graph on"):
+        _serve_app(build_parser().parse_args(["serve", "--freeze-weights"]))
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

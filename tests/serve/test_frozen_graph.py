@@ -14,6 +14,7 @@ from serve_helpers import small_model
 
 from flashnext.errors import ConfigError
 from flashnext.quant.apply import QuantScheme, quantize_model
+from flashnext.serve import decode_graph
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.engine import Engine
@@ -31,7 +32,7 @@ def model(small_config):
 
 def _prompts(seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (6, 9)]
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (6, 8)]
 
 
 def _same(got, want) -> None:
@@ -40,17 +41,29 @@ def _same(got, want) -> None:
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), **TOL)
 
 
-def test_frozen_graphs_hold_the_weights_and_retire_when_they_change(model):
-    """The frozen engine's tokens and log-probs equal the eager engine's. The weights are constants of its graph:
-    after an in-place update the graph itself still computes the old function, bit for bit (which is why it
-    retires); the engine notices the change before its next step, retires the graphs (no recompile) and its
-    output equals an eager engine's on the new weights. A weight load is refused, the weights left as they were."""
+@pytest.mark.parametrize("template", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_frozen_graphs_hold_the_weights_and_retire_when_they_change(model, template, monkeypatch):
+    """The frozen engine's tokens and log-probs equal the eager engine's, for a batch (the decode graph) and for one
+    prompt alone (fed as compiled 2-token pieces: the prefill graph). The weights are constants of the graphs:
+    after an in-place update the decode graph itself still computes the old function, bit for bit (which is why
+    they retire); the engine notices the change before its next step, retires both (no recompile) and its output
+    equals an eager engine's on the new weights. A weight load is refused, the weights left as they were.
+
+    The default case compiles with `freezing` alone (aten's kernels on the frozen weights): the template's autotuning
+    compiles a C++ kernel per product and choice (minutes on 2 cores); the slow case runs `FROZEN_PATCHES` itself."""
+    if not template:
+        monkeypatch.setattr(decode_graph, "FROZEN_PATCHES", {"freezing": True})
     prompts = _prompts(0)
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0) for _ in prompts]
-    engine = Engine(model, **KW, decode_graph=True, decode_buckets=[2], prefill_lengths=[], freeze_weights=True)
+    engine = Engine(model, **KW, decode_graph=True, decode_buckets=[2], prefill_lengths=[2], freeze_weights=True)
+    engine.chunk_graph.warmup([2])
+    graph, chunks, cache = engine.decode_graph, engine.chunk_graph, engine.cache
+    pieces, prefill = [], chunks.prefill
+    chunks.prefill = lambda ids, slot, cached: pieces.append(len(ids)) or prefill(ids, slot, cached)
     _same(engine.generate(prompts, params), Engine(model, **KW).generate(prompts, params))
-    graph, cache = engine.decode_graph, engine.cache
+    _same(engine.generate(prompts[:1], params[:1]), Engine(model, **KW).generate(prompts[:1], params[:1]))
     assert graph.compiles == 1 and graph.bound() == [2] and graph.ready_for(2)
+    assert pieces == [len(prompts[0])] and chunks.ready_for(2)
 
     saved = [b.clone() for b in cache.buffers()]
 
@@ -69,8 +82,10 @@ def test_frozen_graphs_hold_the_weights_and_retire_when_they_change(model):
     with pytest.raises(ConfigError, match="frozen"):
         engine.load_weights([("lm_head.weight", torch.zeros_like(model.lm_head.weight))])
     assert model.lm_head.weight.abs().sum() > 0
+    _same(engine.generate(prompts[:1], params[:1]), Engine(model, **KW).generate(prompts[:1], params[:1]))
     _same(engine.generate(prompts, params), Engine(model, **KW).generate(prompts, params))
-    assert graph.thawed and not graph.ready_for(2) and graph.compiles == 1
+    assert chunks.thawed and graph.thawed and pieces == [len(prompts[0])]
+    assert not graph.ready_for(2) and not chunks.ready_for(2) and graph.compiles == 1
     with pytest.raises(RuntimeError, match="retired"):
         graph.run([5, 6], [0, 1], [9, 9])
 

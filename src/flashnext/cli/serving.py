@@ -44,6 +44,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="CPU with --decode-graph: the piece lengths a batch-1 prompt chunk is compiled in, after the decode "
         "buckets (default 1,2,4,8,16,32,64; none: prefill stays eager)",
     )  # fmt: skip
+    p.add_argument(
+        "--freeze-weights", action="store_true",
+        help="CPU with --decode-graph on: compile the graphs with the weights frozen into them (inductor's freezing "
+        "and C++ GEMM template: decode steps of 2+ sequences ~15%% faster, a packed copy of the weights in memory, "
+        "compiled anew at every start); weight updates are then refused",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
     p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation (default 2048)")
@@ -150,11 +156,13 @@ def _build_engine(args: argparse.Namespace):
     graph = args.decode_graph == "on" or (args.decode_graph == "auto" and device.type == "cuda")
     if graph and device.type == "cpu":
         use_compile_cache(args.compile_cache)
+    if args.freeze_weights and not (graph and device.type == "cpu"):
+        raise ConfigError("--freeze-weights freezes the weights into the CPU decode graph: add --decode-graph on")
     try:
         engine = Engine(
             model, tokenizer, args.max_slots, args.max_model_len, args.max_batched_tokens, k, decode_graph=graph,
             decode_buckets=_buckets(args.decode_buckets), prefill_lengths=_lengths(args.prefill_lengths),
-            prefix_cache=args.prefix_cache,
+            prefix_cache=args.prefix_cache, freeze_weights=args.freeze_weights,
             prefix_cache_mb=args.prefix_cache_mb, prefix_block_size=args.prefix_block_size,
         )  # fmt: skip
     except ConfigError as e:

@@ -86,7 +86,9 @@ class ChunkGraph(DecodeGraph):
         return out if n == 0 and out else None
 
     def ready_for(self, n: int) -> bool:
-        return self.pieces(n) is not None
+        if self.frozen and not self.thawed and self.compile_seconds:  # weights changed since: retire (DecodeGraph)
+            self._changed()
+        return not self.thawed and self.pieces(n) is not None
 
     def prefill(self, ids: list[int], slot: int, cached: int) -> torch.Tensor:
         """Feed `ids` to `slot` after `cached` tokens, piece by piece -> logits [1, V] of the last token (a view
@@ -95,8 +97,9 @@ class ChunkGraph(DecodeGraph):
         if lengths is None:
             raise RuntimeError(f"no compiled prefill lengths make up {len(ids)} tokens (ready: {sorted(self.ready)})")
         with torch.inference_mode():
-            if self.layout.check():
-                self.watch.refresh()
+            self._changed()
+            if self.thawed:
+                raise RuntimeError("the frozen prefill graphs were retired (the weights changed): run this chunk eager")
             start = 0
             for L in lengths:
                 logits = self._call(L, *self._inputs(ids[start : start + L], [slot], [cached + start], L))

@@ -12,9 +12,10 @@ import torch
 from flashnext.errors import ConfigError
 from flashnext.model import fused
 
-FROZEN_PATCHES = {
-    "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", "autotune_fallback_to_aten": True,
-}  # fmt: skip  # frozen graphs (module doc): the C++ GEMM template alone (no timing-dependent choice), else aten
+# Frozen graphs: inductor's C++ GEMM template beside aten's kernels, the faster of the two timed per product at
+# compile time (on the bench config the template won every product of the decode steps; the template alone fails
+# to compile products it does not cover, e.g. the prefill's batched GDN chunk products).
+FROZEN_PATCHES = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 REFUSAL = (
     "this engine's graphs hold the weights frozen (freeze_weights / --freeze-weights): weight updates are refused; "
     "serve without it to take weights from a trainer"
