@@ -48,7 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--freeze-weights", action="store_true",
         help="CPU with --decode-graph on: compile the graphs with the weights frozen into them (inductor's freezing "
         "and C++ GEMM template: decode steps of 2+ sequences ~15%% faster, a packed copy of the weights in memory, "
-        "compiled anew at every start); weight updates are then refused",
+        "longer compiles); weight updates are then refused",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny default model (default 0)")
     p.add_argument("--max-slots", type=int, default=16, help="concurrent sequences (default 16)")

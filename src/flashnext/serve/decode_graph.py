@@ -20,11 +20,12 @@ weight update in place, `load_state_dict`, or a trainer's weight sync is seen by
 capture address: in-place updates are seen, and a parameter replaced by a new tensor (another address) makes
 `run` capture that bucket again.
 
-Frozen weights (`frozen=True`, CPU; `serve --freeze-weights`): the graphs are compiled with inductor's `freezing`
-(the parameters and fused weights become constants of the graph, packed for its C++ GEMM template, which its
-`max_autotune` picks for every product: `FROZEN_PATCHES`; the products are traced as `F.linear`,
-`fused.frozen_products`). Bench config, fp32, 2 threads: the batch-16 step 11.0 -> 9.4 ms, batch 4 5.5 -> 4.5,
-batch 1 even. The price: weights can no longer change under the graphs (the packed copies are extra memory too).
+Frozen weights (`frozen=True`, CPU; `serve --freeze-weights`): the graphs of 2+ rows (`_freezes`) are compiled
+with inductor's `freezing` (the parameters and fused weights become constants of the graph, packed for its C++
+GEMM template, which its `max_autotune` times against aten's kernels per product: `FROZEN_PATCHES`; the products
+are traced as `F.linear`, `fused.frozen_products`). Bench config, 2 threads, one process alternating: the
+batch-16 step 11.0 -> 9.3-9.4 ms in fp32, 12.5 -> 11.1 in bf16 (AVX2); batch 4 5.5 -> 4.5 (fp32). The price:
+weights can no longer change under the graphs (the packed copies are extra memory too).
 `versioned` then covers every parameter and buffer, and a change after a graph was compiled (in place, or a tensor
 replaced) retires the graphs (`thawed`: logged once; every later step runs eager, exact with the new weights);
 the engine refuses weight updates outright (`Engine.load_weights`, the admin update routes). Quantized models are
@@ -186,17 +187,6 @@ class DecodeGraph(BackgroundCompile):
         self._checked: dict[int, int] = {}  # bucket -> layout generation of its last call through dynamo's guards
         self._host: dict[int, tuple] = {}  # bucket -> its input tensors and their numpy views (CPU, `_inputs`)
         if not self.cuda:
-            inner = torch._dynamo.lookup_backend(backend)
-            if backend == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-
-                patches = {**INDUCTOR_PATCHES, **(FROZEN_PATCHES if self.frozen else {})}
-                inner = functools.partial(compile_fx, config_patches=patches)
-
-            def counting(gm, example_inputs):
-                self.compiles += 1
-                return inner(gm, example_inputs)
-
             # Dynamo keeps its compiled entries per code object: a private copy of `_step`'s code per bucket gives
             # each bucket its own cache entry, gone with the instance, never shared with another engine's or
             # another bucket's (a bucket compiling in the background never touches the entry the engine is using).
@@ -205,9 +195,32 @@ class DecodeGraph(BackgroundCompile):
                 code = self._codes[N] = type(self)._step.__code__.replace(co_name=name)
                 step = types.FunctionType(code, type(self)._step.__globals__, name).__get__(self)
                 self._compiled[N] = torch.compile(
-                    step, backend=counting, fullgraph=True, dynamic=False, recompile_limit=RECOMPILES_PER_BUCKET,
+                    step, backend=self._backend(backend, self._freezes(N)), fullgraph=True, dynamic=False,
+                    recompile_limit=RECOMPILES_PER_BUCKET,
                     options={"guard_filter_fn": _tensor_guards},  # see the module doc
                 )  # fmt: skip
+
+    def _backend(self, name: str, frozen: bool) -> Callable:
+        """The compiler backend of one size's graph: inductor with `INDUCTOR_PATCHES` (and `FROZEN_PATCHES`), or
+        the named backend; counting the graphs compiled."""
+        inner = torch._dynamo.lookup_backend(name)
+        if name == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {**INDUCTOR_PATCHES, **(FROZEN_PATCHES if frozen else {})}
+            inner = functools.partial(compile_fx, config_patches=patches)
+
+        def counting(gm, example_inputs):
+            self.compiles += 1
+            return inner(gm, example_inputs)
+
+        return counting
+
+    def _freezes(self, N: int) -> bool:
+        """Whether size N's graph holds the weights frozen: with `frozen`, from 2 rows. One row gains nothing: its
+        products are reductions reading the weights as they lie, and folded, a 16-bit weight's upcast is what they
+        would read (twice the bytes: bench config, bf16 batch-1 step on an AVX2 CPU 1.80 -> 2.23 ms)."""
+        return self.frozen and N > 1
 
     @staticmethod
     def _sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
@@ -320,7 +333,7 @@ class DecodeGraph(BackgroundCompile):
         bound = self._bound.get(N)
         if bound is not None and bound.stamp == stamp:
             return bound(ids, slots, cached)
-        tracing = freezing() if self.frozen else contextlib.nullcontext()
+        tracing = freezing() if self._freezes(N) else contextlib.nullcontext()
         if self._checked.get(N) == stamp and (N not in self._bound or bound is not None):
             with tracing:
                 bound, out = BoundStep.bind(self._codes[N], self, stamp, ids, slots, cached)
