@@ -25,7 +25,7 @@ with inductor's `freezing` (the parameters and fused weights become constants of
 GEMM template, which its `max_autotune` times against aten's kernels per product: `FROZEN_PATCHES`; the products
 are traced as `F.linear`, `fused.frozen_products`). Bench config, 2 threads, one process alternating: the
 batch-16 step 11.0 -> 9.3-9.4 ms in fp32, 12.5 -> 11.1 in bf16 (AVX2); batch 4 5.5 -> 4.5 (fp32). The price:
-weights can no longer change under the graphs (the packed copies are extra memory too).
+weights can no longer change under the graphs, and each graph holds its own packed copy of the weights (memory).
 `versioned` then covers every parameter and buffer, and a change after a graph was compiled (in place, or a tensor
 replaced) retires the graphs (`thawed`: logged once; every later step runs eager, exact with the new weights);
 the engine refuses weight updates outright (`Engine.load_weights`, the admin update routes). Quantized models are
