@@ -166,8 +166,8 @@ class Engine:
             self.speculator.controls = self.sampler.controls  # one table of token counts per request
         self.spec_auto = None
         if is_auto(num_speculative_tokens) and has_mtp:  # what earlier engines over this model measured, kept
-            dtype = next(model.parameters()).dtype
-            self.spec_auto = AutoSpec(kept=kept_for(self.model, (str(self.device), dtype, bool(decode_graph))))
+            costs = (str(self.device), next(model.parameters()).dtype, bool(decode_graph), freeze_weights)
+            self.spec_auto = AutoSpec(kept=kept_for(self.model, costs))
         if self.spec_auto is not None:
             self.speculator.auto = self.spec_auto
             self.stats.low_acceptance_warned = True  # no "drafting does not pay" warning: auto stops drafting then
@@ -344,14 +344,14 @@ class Engine:
         return [c.completion(self.tokenizer is not None) for c in choices]
 
 
-def _graphs(model, cache, decode_graph, buckets, prefill_lengths, backend, frozen) -> tuple:
+def _graphs(model, cache, decode_graph, buckets, prefill_lengths, backend, freeze) -> tuple:
     """The engine's compiled (captured) step graphs: (`DecodeGraph` | None, `ChunkGraph` | None); prompt chunks
     only on CPU, each length used once compiled (warmup / background)."""
-    if frozen and not decode_graph:
+    if freeze and not decode_graph:
         raise ConfigError("freeze_weights freezes the weights into the decode graph: it needs decode_graph=True")
     if not decode_graph:
         return None, None
-    graph = DecodeGraph(model, cache, buckets, backend, frozen)
+    graph = DecodeGraph(model, cache, buckets, backend, freeze)
     if graph.device.type != "cpu" or (prefill_lengths is not None and len(prefill_lengths) == 0):
         return graph, None
-    return graph, ChunkGraph(model, cache, prefill_lengths, backend, frozen)
+    return graph, ChunkGraph(model, cache, prefill_lengths, backend, freeze)
