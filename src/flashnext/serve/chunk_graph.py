@@ -86,8 +86,7 @@ class ChunkGraph(DecodeGraph):
         return out if n == 0 and out else None
 
     def ready_for(self, n: int) -> bool:
-        if self.frozen and not self.thawed and self.compile_seconds:  # weights changed since: retire (DecodeGraph)
-            self._changed()
+        self._retire_if_changed()
         return not self.thawed and self.pieces(n) is not None
 
     def prefill(self, ids: list[int], slot: int, cached: int) -> torch.Tensor:

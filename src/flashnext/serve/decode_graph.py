@@ -175,9 +175,8 @@ class DecodeGraph(BackgroundCompile):
         self.ready: set[int] = set()  # buckets whose graph is compiled (captured) and has run once
         self.background: threading.Thread | None = None  # the thread compiling buckets (`compile_in_background`)
         members = [(d, n) for d, n in self.watch.slots if d.get(n) is not None]  # the fused groups' parameters
-        if self.frozen:  # every weight is baked into the graphs
-            held = [(d, n) for m in model.modules() for d in (m._parameters, m._buffers) for n in d]
-            members = [(d, n) for d, n in held if d[n] is not None]
+        if self.frozen:  # every weight is baked into the graphs: every one versioned
+            members = None
         self.layout = _Layout(model, members)  # every parameter and buffer, checked before each step (module doc)
         self.layout.check()  # the layout graphs are compiled (captured) in, also by `warmup` and the background
         self._captured: dict[int, CapturedStep] = {}
@@ -242,12 +241,18 @@ class DecodeGraph(BackgroundCompile):
         only once its bucket is compiled (until then the engine runs the step eager); otherwise always (a bucket
         not compiled yet compiles on its first step)."""
         N = self.bucket(n)
-        checking = self.frozen and not self.thawed and self.compile_seconds
-        if checking:  # frozen graphs: weights changed since they were compiled retire them before the step is planned
-            self._changed()
+        checked = self._retire_if_changed()
         ready = N is not None and not self.thawed and (self.background is None or N in self.ready)
-        self._checked_now = bool(checking and ready)  # `run` next (same thread) need not read the layout again
+        self._checked_now = checked and ready  # `run` next (same thread) need not read the layout again
         return ready
+
+    def _retire_if_changed(self) -> bool:
+        """Frozen graphs in use: the layout check now, before the step is planned (weights changed since the
+        compile retire them); whether it ran."""
+        if not (self.frozen and not self.thawed and self.compile_seconds):
+            return False
+        self._changed()
+        return True
 
     def run(self, ids: list[int], slots: list[int], cached: list[int]) -> torch.Tensor:
         """One decode step of n entries (token `ids[i]` into slot `slots[i]` after `cached[i]` tokens).
@@ -393,9 +398,10 @@ class _Layout:
     tensors' addresses and the members' versions (~170 us cold); the modules' slots are read again (a replaced
     tensor) only after a parameter or buffer registration anywhere in the process (`_count_registrations`)."""
 
-    def __init__(self, model, versioned: list[tuple[dict, str]]):
+    def __init__(self, model, versioned: list[tuple[dict, str]] | None):
         _count_registrations()
         held = [(d, n) for m in model.modules() for d in (m._parameters, m._buffers) for n in d if d[n] is not None]
+        versioned = held if versioned is None else versioned  # None: every parameter and buffer
         self._slots = ([d for d, _ in held], [n for _, n in held])
         self._versioned_slots = ([d for d, _ in versioned], [n for _, n in versioned])
         self._registrations = -1  # `_REGISTRATIONS` when the slots were last read

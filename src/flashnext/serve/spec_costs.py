@@ -206,6 +206,6 @@ _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {cost
 
 def kept_for(model, key) -> Kept:
     """The measurements kept for `model` under `key` (what makes step costs comparable: device, dtype, compiled
-    decode step or not, weights frozen into it or not): every auto engine built over the same model object in this process shares them, so a
-    second engine starts from what the first measured; dropped with the model."""
+    decode step or not, weights frozen into it or not): every auto engine built over the same model object in this
+    process shares them, so a second engine starts from what the first measured; dropped with the model."""
     return _KEPT.setdefault(model, {}).setdefault(key, Kept())
