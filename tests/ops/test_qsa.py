@@ -136,6 +136,14 @@ def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, mon
     args = (torch.cat(q_rows), k_cache, v_cache, tok_slot, tok_pos, blocks, ok, 0.3, ratio)
     out = qsa_cached.sparse_attention_cached(*args)
     torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-6)
+    # bf16 operands with the products on fp32 copies (eager serving on a CPU without bf16 GEMM instructions,
+    # `model.fused.upcasts`) == the bf16 products: fp32 sums rounded once either way, in other orders, so the
+    # scores and the softmax weights (both rounded to bf16) may land one bf16 step apart: bf16's tolerance
+    low = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args[:3]) + args[3:]
+    upcast = qsa_cached.sparse_attention_cached(*low, fp32_products=True)
+    assert upcast.dtype == torch.bfloat16
+    torch.testing.assert_close(upcast, qsa_cached.sparse_attention_cached(*low), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(upcast.double(), out, rtol=3e-2, atol=3e-2)  # the bf16 rounding of q, k, v too
     if (ratio, topk) != (4, 3):
         return  # the traced twin below on one ratio: its cases take seconds each
     # traced by dynamo (as in the compiled decode step) the products are reductions: the same values

@@ -18,7 +18,7 @@ from torch import nn
 from flashnext.batch import Segments
 from flashnext.config import TextConfig
 from flashnext.model.context import ContextShard
-from flashnext.model.fused import Group, apply_linear
+from flashnext.model.fused import Group, apply_linear, upcasts
 from flashnext.model.norm import RMSNorm
 from flashnext.model.rope import apply_rotary
 from flashnext.model.state import POSITIONAL, QSAState, StateSpec, StepState, step_of
@@ -193,5 +193,7 @@ class Attention(nn.Module):
             flat = tok_slot * cache.k.shape[1] + rows
             cache.k.view(-1, self.hkv, self.d).index_copy_(0, flat, k.to(cache.k.dtype))
             cache.v.view(-1, self.hkv, self.d).index_copy_(0, flat, v.to(cache.v.dtype))
-            o = qsa_cached.sparse_attention_cached(q, cache.k, cache.v, tok_slot, rows, blocks, ok, self.scale, c)
+            o = qsa_cached.sparse_attention_cached(
+                q, cache.k, cache.v, tok_slot, rows, blocks, ok, self.scale, c, fp32_products=fused and upcasts(q)
+            )
         return apply_linear(self.o_proj, o.flatten(-2) * torch.sigmoid(gate), fused)

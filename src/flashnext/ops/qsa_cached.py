@@ -76,12 +76,18 @@ def sparse_attention_cached(
     ok: torch.Tensor,
     scale: float,
     ratio: int,
+    fp32_products: bool = False,
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected blocks and its tail, read from the cache.
 
     Args:
         q: [T, H, D] rotated queries; k_cache, v_cache: [S, NBS * c, Hkv, D] (this step's keys already written).
         tok_slot, tok_pos: int64 [T]; blocks, ok: [T, kb] from `select_blocks_cached`.
+        fp32_products: eager, the two products on fp32 copies of their (bf16 / fp16) operands, rounded back once,
+            for a CPU without the dtype's GEMM instructions (`model.fused.upcasts`): there a bf16 `bmm` of these
+            small per-query matrices loops over the batch with emulated kernels (a 16 x 32-token bf16 prefill of
+            the `vs_llamacpp.py` config: ~14 ms of its products against ~2 ms in fp32). The function of the
+            low-precision GEMM (fp32 sums, one rounding), the sums in another order.
 
     Returns:
         [T, H, D] in q's dtype (softmax in fp32).
@@ -107,14 +113,25 @@ def sparse_attention_cached(
         t1 = min(T, t0 + step)
         Tq = t1 - t0
         idx = rows[t0:t1].flatten()
-        ks = k_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).permute(0, 2, 3, 1)  # [Tq, Hkv, D, n]
+        ks = k_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
         vs = v_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
         qs = q[t0:t1].view(Tq, Hkv, G, D)
         mm = _summed_matmul if torch.compiler.is_dynamo_compiling() else torch.matmul  # traced: a decode step
-        w = (mm(qs, ks) * scale).masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
+        if fp32_products:  # contiguous fp32 copies: the batch flattens, the keys' transpose is the GEMM's
+            ks, vs, mm = _fp32(ks), _fp32(vs), _fp32_matmul
+        w = (mm(qs, ks.transpose(-1, -2)) * scale).masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append(mm(w, vs).reshape(Tq, H, D))
     return torch.cat(outs)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.matmul(a, b)` on fp32 operands, rounded to a's dtype (`sparse_attention_cached`'s `fp32_products`)."""
+    return torch.matmul(a.float(), b.float()).to(a.dtype)
 
 
 def _summed_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
