@@ -17,12 +17,15 @@ decode graph compiled for each batch (inductor). Per batch, after warm-up, alter
   `aoti_torch_cpu_*` under inductor's C++ wrapper: e.g. the GEMMs of products `fused.reduces` leaves; with `--kernels N`
   also inductor's generated kernels, compiled with `cpp.enable_kernel_profile` so each is a row, which slows every
   part by its hooks: take the times from a run without it), and the N heaviest kernels.
+- `stream_ms`: reading once each weight the step reads whole (`stream_mib` of them: every parameter but the
+  embedding tables), one compiled sum over them, median of 20: the memory floor of a step that touches every
+  expert; `bound_ms` against it says how far the step is from memory-bound.
 The load average is printed: parts timed at a load above the thread count are not results (every OpenMP barrier
 of a generated kernel stretches then).
 
 Output:
     batch=<B> dtype=<d> step_ms=<x> model_step_ms=<m> host_ms=<x - m> graph_ms=<y> bound_ms=<b> guards_ms=<g>
-        wrapper_ms=<w> kernels_ms=<k> load=<l>
+        wrapper_ms=<w> kernels_ms=<k> stream_ms=<f> stream_mib=<MiB> load=<l>
       <share>% <us> us/step <calls>/step <kernel name>      (the heaviest kernels, with --kernels N)
 """
 
@@ -106,6 +109,22 @@ def graph_ms(engine, batch: int, n: int = 64) -> tuple[float, float]:
     return tuple(statistics.median(times[name]) * 1e3 for name in calls)
 
 
+def stream_ms(model, n: int = 20) -> tuple[float, float]:
+    """(median ms, MiB): reading once each weight a decode step reads whole (every parameter but the embedding
+    tables, token and n-gram, whose rows are looked up), as one compiled sum over them: the memory floor of a
+    step that touches every expert (batch 16 of this config), far past the L3 cache, so streamed from memory."""
+    weights = [p.detach() for name, p in model.named_parameters() if "embed" not in name]
+    read = torch.compile(lambda ts: torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
+    times = []
+    with torch.inference_mode():
+        read(weights)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            read(weights)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, sum(w.numel() * w.element_size() for w in weights) / 2**20
+
+
 def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
     """Self CPU ms per step of the guards, the wrapper and the kernels; the kernels as (name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -158,9 +177,10 @@ def main(argv=None) -> int:
         step, model, graph, bound = (statistics.median(x) for x in (steps, models, graphs, bounds))
         split, kernels = parts(engine, batch)
         shown = " ".join(f"{k}={v:.2f}" for k, v in split.items())
+        stream, mib = stream_ms(engine.model)
         print(f"batch={batch} dtype={args.dtype} step_ms={step:.2f} model_step_ms={model:.2f} "
               f"host_ms={step - model:.2f} graph_ms={graph:.2f} bound_ms={bound:.2f} {shown} "
-              f"load={os.getloadavg()[0]:.1f}",
+              f"stream_ms={stream:.2f} stream_mib={mib:.1f} load={os.getloadavg()[0]:.1f}",
               flush=True)  # fmt: skip
         total = sum(ms for _, ms, _ in kernels) or 1.0
         for name, ms, calls in kernels[: args.kernels]:
