@@ -18,8 +18,8 @@ decode graph compiled for each batch (inductor). Per batch, after warm-up, alter
   `aoti_torch_cpu_*` under inductor's C++ wrapper: e.g. the GEMMs of products `fused.reduces` leaves; with `--kernels N`
   also inductor's generated kernels, compiled with `cpp.enable_kernel_profile` so each is a row, which slows every
   part by its hooks: take the times from a run without it), and the N heaviest kernels.
-- `stream_ms`: reading once each weight the step reads whole (`stream_mib` of them: every parameter but the
-  embedding tables), one compiled sum over them, median of 20: the memory floor of a step that touches every
+- `stream_ms`: streaming as many bytes as the weights the step reads whole (`stream_mib`: every parameter but
+  the embedding tables), one buffer summed by ATen, median of 20: the memory floor of a step that touches every
   expert; `bound_ms` against it says how far the step is from memory-bound.
 The load average is printed: parts timed at a load above the thread count are not results (every OpenMP barrier
 of a generated kernel stretches then).
@@ -120,19 +120,20 @@ def graph_ms(engine, batch: int, n: int = 64) -> tuple[float, float]:
 
 
 def stream_ms(model, n: int = 20) -> tuple[float, float]:
-    """(median ms, MiB): reading once each weight a decode step reads whole (every parameter but the embedding
-    tables, token and n-gram, whose rows are looked up), as one compiled sum over them: the memory floor of a
-    step that touches every expert (batch 16 of this config), far past the L3 cache, so streamed from memory."""
-    weights = [p.detach() for name, p in model.named_parameters() if "embed" not in name]
-    read = torch.compile(lambda ts: torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
+    """(median ms, MiB): streaming from memory as many bytes as the weights a decode step reads whole (every
+    parameter but the embedding tables, token and n-gram, whose rows are looked up), as ATen's vectorised sum of
+    one fp32 buffer that size: the memory floor of a step that touches every expert (batch 16 of this config; a
+    size within a few times the L3 cache reads partly from it, e.g. bf16's 35 MiB at ~42 GB/s). One buffer, not
+    the weights themselves: ~160 small sums would time their calls (~1.5 ms on this config), and a compiled sum
+    reduces on one thread (~15 against ~25 GB/s on a 2-core EPYC)."""
+    size = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
+    buffer = torch.ones(size // 4)
     times = []
-    with torch.inference_mode():
-        read(weights)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            read(weights)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, sum(w.numel() * w.element_size() for w in weights) / 2**20
+    for _ in range(n + 1):
+        t0 = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3, size / 2**20
 
 
 def parts(engine, batch: int, steps: int = 30) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
