@@ -156,4 +156,6 @@ def test_cached_path_matches_reference(lens, queries, ratio, topk, quantize, mon
     torch._dynamo.reset()  # a fresh cache per case: the parametrised cases would exceed the recompile limit
     traced = torch.compile(qsa_cached.sparse_attention_cached, backend=backend, fullgraph=True, dynamic=False)
     torch.testing.assert_close(traced(*args), torch.cat(expected), rtol=1e-5, atol=1e-6)
+    # traced, the fp32 copies are not taken: a compiled step's reductions sum in fp32 already
+    torch.testing.assert_close(traced(*args, fp32_products=True), torch.cat(expected), rtol=1e-5, atol=1e-6)
     assert not any("matmul" in op or "bmm" in op for op in ops), ops

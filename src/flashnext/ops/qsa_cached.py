@@ -83,11 +83,12 @@ def sparse_attention_cached(
     Args:
         q: [T, H, D] rotated queries; k_cache, v_cache: [S, NBS * c, Hkv, D] (this step's keys already written).
         tok_slot, tok_pos: int64 [T]; blocks, ok: [T, kb] from `select_blocks_cached`.
-        fp32_products: eager, the two products on fp32 copies of their (bf16 / fp16) operands, rounded back once,
-            for a CPU without the dtype's GEMM instructions (`model.fused.upcasts`): there a bf16 `bmm` of these
-            small per-query matrices loops over the batch with emulated kernels (a 16 x 32-token bf16 prefill of
-            the `vs_llamacpp.py` config: ~14 ms of its products against ~2 ms in fp32). The function of the
-            low-precision GEMM (fp32 sums, one rounding), the sums in another order.
+        fp32_products: eager (ignored when traced: a compiled step sums in fp32 already), the two products on
+            fp32 copies of their (bf16 / fp16) operands, rounded back once, for a CPU without the dtype's GEMM
+            instructions (`model.fused.upcasts`): there a bf16 `bmm` of these small per-query matrices loops over
+            the batch with emulated kernels (a 16 x 32-token bf16 prefill of the `vs_llamacpp.py` config spent ~28
+            of its ~200 ms in them; 200 -> 181 ms with the copies). The function of the low-precision GEMM (fp32
+            sums, one rounding), the sums in another order.
 
     Returns:
         [T, H, D] in q's dtype (softmax in fp32).
@@ -108,6 +109,7 @@ def sparse_attention_cached(
     tail_ok = j[None, :] < ((tok_pos + 1) % c)[:, None]
     mask = torch.cat([ok[:, :, None].expand(-1, -1, c).reshape(T, -1), tail_ok], dim=1)  # [T, nb * c]
     step = max(1, GATHER_BUDGET // (nb * c * Hkv * D))
+    traced = torch.compiler.is_dynamo_compiling()
     outs = []
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -116,9 +118,9 @@ def sparse_attention_cached(
         ks = k_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
         vs = v_rows.index_select(0, idx).view(Tq, nb * c, Hkv, D).transpose(1, 2)  # [Tq, Hkv, n, D]
         qs = q[t0:t1].view(Tq, Hkv, G, D)
-        mm = _summed_matmul if torch.compiler.is_dynamo_compiling() else torch.matmul  # traced: a decode step
-        if fp32_products:  # contiguous fp32 copies: the batch flattens, the keys' transpose is the GEMM's
-            ks, vs, mm = _fp32(ks), _fp32(vs), _fp32_matmul
+        mm = _summed_matmul if traced else _fp32_matmul if fp32_products else torch.matmul  # traced: a decode step
+        if fp32_products and not traced:  # contiguous fp32 copies: the batch flattens, the keys' transpose the GEMM's
+            ks, vs = _fp32(ks), _fp32(vs)
         w = (mm(qs, ks.transpose(-1, -2)) * scale).masked_fill(~mask[t0:t1, None, None, :], float("-inf"))
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append(mm(w, vs).reshape(Tq, H, D))
