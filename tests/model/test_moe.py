@@ -9,6 +9,7 @@ from flashnext.config import TextConfig
 from flashnext.model import fused
 from flashnext.model.moe import SORTED_ASSIGNMENTS, Experts, SparseMoE
 from flashnext.model.state import DECODE, Step
+from flashnext.ops import grouped_experts
 
 
 def _cfg(E=6, k=2):
@@ -78,7 +79,7 @@ def test_static_step_path_matches_loop(T):
     w, e = moe.gate(x)
     ref = _loop_reference(moe.experts, x, e, w)
     torch.testing.assert_close(moe.experts(x, e, w, Step(DECODE, static=True)), ref)
-    torch.testing.assert_close(moe.experts._reduced(x, e.flatten(), w), ref)  # the compiled fp32 form, run eagerly
+    torch.testing.assert_close(moe.experts._reduced(x, e, w), ref)  # the compiled fp32 form, run eagerly
 
 
 def test_both_paths_agree():
@@ -212,8 +213,14 @@ def _traced_static_step(ex, x, e, w):
     return got, {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
 
 
+@pytest.fixture
+def sums(monkeypatch):
+    """The compiled static step's experts as `reduced_experts` (the kernel `ops.grouped_experts` not loaded)."""
+    monkeypatch.setattr(grouped_experts, "_BUILT", [False])
+
+
 @pytest.mark.parametrize("tokens", [9, 4], ids=["3_per_expert", "1.3_per_expert"])
-def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
+def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens, sums):
     """Traced by dynamo (what the CPU decode graph compiles), an fp32 static step's experts are `_reduced`: sums
     over each assignment's expert rows (no batched GEMM over every expert), taken in expert order (an argsort of
     the routed ids, the routing order restored before each token's sum) when there are at least
@@ -229,7 +236,7 @@ def test_compiled_static_step_sums_each_assignment_in_expert_order(tokens):
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16_cpu", "avx2_cpu"])
 @pytest.mark.parametrize("tokens", [4, 9], ids=["1.3_per_expert", "3_per_expert"])
-def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(tokens, native, monkeypatch):
+def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(tokens, native, monkeypatch, sums):
     """Traced by dynamo, a bf16 static step's experts are `_reduced` (fp32 sums over each assignment's expert rows,
     no batched GEMM) below `SORTED_ASSIGNMENTS` assignments per expert, where they beat oneDNN's batched GEMMs over
     every expert, and `_dense` (bmm) from there on, where they lose (`Experts._sums_pay`); on a CPU without bf16
@@ -242,3 +249,21 @@ def test_compiled_bf16_static_step_sums_only_below_two_assignments_per_expert(to
     got, ops = _traced_static_step(moe.experts.bfloat16(), x, e, w)
     assert any("bmm" in op for op in ops) == (native and 2 * tokens >= SORTED_ASSIGNMENTS * 6), ops
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [9, 4], ids=["3_per_expert", "1.3_per_expert"])
+def test_compiled_static_step_runs_the_grouped_kernel_once_loaded(dtype, tokens, monkeypatch):
+    """Once `ops.grouped_experts` is loaded (the decode graphs load it), a traced CPU static step's routed experts
+    are that kernel from `SORTED_ASSIGNMENTS` assignments per expert on (one op, no sums or GEMMs of their own),
+    the sums below; against the fp64 loop on the same values (fp32 sums: 1e-5; bf16: the rounding of the output,
+    2e-2 of the largest)."""
+    assert grouped_experts.available()
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, False)  # bf16 sums in fp32 at any count (`_sums_pay`)
+    moe, x, w, e = _routed_moe(6, dtype, tokens)
+    ref = _loop_reference(moe.experts.double(), x.double(), e, w.double())
+    got, ops = _traced_static_step(moe.experts.to(dtype), x, e, w)
+    kernel = 2 * tokens >= SORTED_ASSIGNMENTS * 6
+    assert any("grouped_experts" in op for op in ops) == kernel and not any("bmm" in op for op in ops), ops
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(ref.abs().max())
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)

@@ -18,6 +18,7 @@ from torch import nn
 from flashnext.config import TextConfig
 from flashnext.model.fused import Group, apply_linear, upcasts
 from flashnext.model.state import TRAIN_STEP, Step
+from flashnext.ops import grouped_experts
 
 SKINNY_EXPERT_ROWS = 16  # at most this many rows per expert: transposed expert GEMMs (see `Experts._swiglu`)
 # A serving step gathers its assignments' expert weights when they total at most this many bytes, even for more than
@@ -87,7 +88,7 @@ class Experts(nn.Module):
             return self._gathered(x, flat_e, weights, fused)
         # dynamo tracing, not torch.compiler.is_compiling() (process-wide during any compile: see fused._compiling)
         if static and x.device.type == "cpu" and torch.compiler.is_dynamo_compiling() and self._sums_pay(x, flat_e):
-            return self._reduced(x, flat_e, weights)
+            return self._reduced(x, experts, weights)
         if static:
             return self._dense(x, experts, weights)
         return self._grouped(x, flat_e, weights, fused)
@@ -106,16 +107,33 @@ class Experts(nn.Module):
         per = (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
         return assignments * per <= GATHER_BYTES
 
-    def _reduced(self, x, flat_e, weights):
-        """Each assignment's expert applied as products summed over the input dim, its weights indexed in place.
+    def _reduced(self, x, experts, weights):
+        """Each assignment's expert applied to its row, its weights read in place (inside a compiled CPU static
+        step): the hand-written kernel `ops.grouped_experts` once loaded (fp32 / bf16 weights), else
+        `reduced_experts`, products summed over the input dim, written for inductor.
 
-        Written for inductor (fp32, CPU, inside a compiled static step): it fuses the weight gather into the
-        reduction, reading each assignment's expert rows where they lie, with neither a copy nor the every-expert
-        FLOPs of `_dense`. Measured at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread: 0.37 ms
-        per layer against `_dense`'s 1.13 ms (MKL's fp32 batched GEMM). bf16 / fp16 (fp32 sums) only below 2
-        assignments per expert (`_sums_pay`). Run eagerly this would materialise [A, 2I, D] products.
+        `reduced_experts` fuses the weight gather into the reduction, with neither a copy nor the every-expert FLOPs
+        of `_dense`: at 16 tokens x top-4 of 16 experts (hidden 256, width 128), 1 thread, 0.37 ms per layer against
+        `_dense`'s 1.13 ms (MKL's fp32 batched GEMM); but one accumulator per output (stop 44): the kernel blocks
+        rows against weight rows. bf16 / fp16 (fp32 sums) only below 2 assignments per expert (`_sums_pay`).
         """
-        return reduced_experts(x, flat_e, weights, self.gate_up_proj, self.down_proj).to(x.dtype)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self._grouped_kernel(experts.numel()):
+            return grouped_experts.grouped_experts(x, experts, weights, gate_up, down).to(x.dtype)
+        return reduced_experts(x, experts.flatten(), weights, gate_up, down).to(x.dtype)
+
+    def _grouped_kernel(self, assignments: int) -> bool:
+        """Whether a traced static step's experts run as `ops.grouped_experts`: loaded, fp32 / bf16 weights, and at
+        least `SORTED_ASSIGNMENTS` assignments per expert; with fewer the kernel's fixed cost (the op call, its ATen
+        steps: ~50 us a layer) outweighs the blocks it saves. Bench config, fp32, frozen decode graphs: batch 16 (4
+        per expert) 11.56 -> 10.55 ms a step, batch 1 2.70 -> 2.80 (`benchmarks/RESULTS.md`, stop 44)."""
+        gate_up = self.gate_up_proj
+        return (
+            grouped_experts.ready()
+            and gate_up.dtype in (torch.float32, torch.bfloat16)
+            and gate_up.is_contiguous()
+            and assignments >= SORTED_ASSIGNMENTS * self.num_experts
+        )
 
     def _dense(self, x, experts, weights):
         """Every expert on every token, outputs summed with the routing weights (0 for an unchosen expert).

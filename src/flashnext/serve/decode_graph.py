@@ -74,6 +74,7 @@ import torch
 from flashnext.errors import ConfigError
 from flashnext.model import fused
 from flashnext.model.state import make_decode_step
+from flashnext.ops import grouped_experts
 from flashnext.serve.frozen import FROZEN_PATCHES, check_freezable, freezing
 from flashnext.serve.graph_calls import BoundStep, CapturedStep
 from flashnext.serve.graph_compile import BackgroundCompile
@@ -164,6 +165,8 @@ class DecodeGraph(BackgroundCompile):
             )
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            grouped_experts.available()  # the routed experts' kernel, built (once) before any trace reads it
         self.frozen = frozen and check_freezable(model, self.device)
         self.thawed = False  # frozen graphs retired: the weights changed after they were compiled
         self._checked_now = False  # `ready_for` has just run the layout check (frozen graphs)
