@@ -61,11 +61,18 @@ def test_kernel_is_deterministic_across_threads():
     assert torch.equal(one, two)
 
 
-def test_an_expert_id_out_of_range_is_refused():
+def test_bad_inputs_are_refused_before_any_read():
+    """An expert id out of range, or weights that do not fit x, raise naming the value (the kernel reads raw
+    pointers: a wrong shape would read past the weights)."""
     x, experts, weights, gate_up, down = _case(4, 16, 8, 3, 2, torch.float32)
-    experts[1, 0] = 4
+    bad = experts.clone()
+    bad[1, 0] = 4
     with pytest.raises(RuntimeError, match="expert id 4 outside"):
-        grouped_experts.grouped_experts(x, experts, weights, gate_up, down)
+        grouped_experts.grouped_experts(x, bad, weights, gate_up, down)
+    with pytest.raises(RuntimeError, match="do not fit x"):
+        grouped_experts.grouped_experts(x, experts, weights, gate_up, down[:, :, :4].contiguous())
+    with pytest.raises(RuntimeError, match="do not fit x"):
+        grouped_experts.grouped_experts(x[:, :8], experts, weights, gate_up, down)
 
 
 def test_traced_call_is_the_kernel():

@@ -155,6 +155,10 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& experts, const
                            const at::Tensor& gate_up, const at::Tensor& down) {
   TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && weights.sizes() == experts.sizes(), "grouped_experts: shapes");
   TORCH_CHECK(experts.scalar_type() == at::kLong, "grouped_experts: int64 expert ids, got ", experts.scalar_type());
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(1) % 2 == 0, "grouped_experts: weight shapes");
+  const int64_t E = gate_up.size(0), D = x.size(1), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(2) == D && down.size(0) == E && down.size(1) == D && down.size(2) == I,
+              "grouped_experts: gate_up ", gate_up.sizes(), " and down ", down.sizes(), " do not fit x ", x.sizes());
   TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous(), "grouped_experts: contiguous expert weights");
   TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "grouped_experts: one weight dtype");
   if (gate_up.scalar_type() == at::kBFloat16) return run<at::BFloat16>(x, experts, weights, gate_up, down);
