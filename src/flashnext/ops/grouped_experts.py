@@ -6,7 +6,7 @@ as they are read) in `grouped_experts.cpp`: the assignments counted into expert 
 threads by (expert, pair of weight rows), each expert's rows against its weight rows in register blocks (up to 4
 rows x 2 weight rows of 8-lane accumulators: each weight vector loaded once for 4 rows, eight independent sums in
 flight, their lanes summed by one add tree), the weight rows 16 ahead prefetched; SiLU and the routing weights by
-ATen; each token's k outputs summed in routing order. Deterministic: no sum's order depends on the threads.
+ATen; each token's k outputs summed in routing order. Deterministic: each dot product is one work item's.
 
 Why: inside a compiled decode step inductor writes the routed experts' products (`reduced_experts`) as one
 vectorised dot product per output with a single accumulator (~73 cycles per 256-long dot on an AVX2 EPYC), and
