@@ -1,7 +1,7 @@
 """flashnext's engine vs llama.cpp on the same weights in the same dtype (only where a llama.cpp build exists).
 
     LLAMA_CPP_DIR=/path/to/llama.cpp/build python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--decode-graph]
-        [--freeze-weights]
+        [--freeze-weights] [--decode-run K]
 
 `LLAMA_CPP_DIR` is a llama.cpp build with the `qwen4exp` architecture (e.g. the one vendored in the
 `llama-cpp-python` 0.3.36 source distribution), holding `llama-batched-bench` and `llama-simple` (in it, `bin/` or
@@ -246,6 +246,10 @@ def main(argv=None) -> int:
         action="store_true",
         help="with --decode-graph: the weights frozen into our graphs (`serve.frozen`), as llama.cpp's are fixed",
     )
+    parser.add_argument(
+        "--decode-run", type=int, default=1, metavar="K",
+        help="with --decode-graph: up to K greedy decode steps per engine step (`serve.decode_runs`; default 1)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quant",
@@ -279,7 +283,7 @@ def main(argv=None) -> int:
         for b in args.batches:
             engine = Engine(model, max_slots=b, max_model_len=PROMPT_LEN + NEW_TOKENS + 1,
                             decode_graph=args.decode_graph, decode_buckets=[b],
-                            freeze_weights=args.freeze_weights)  # fmt: skip
+                            freeze_weights=args.freeze_weights, decode_run=args.decode_run)  # fmt: skip
             if engine.decode_graph is not None:
                 print(f"# decode graph batch={b}: compiled in {engine.decode_graph.warmup()[b]:.1f} s", flush=True)
             if engine.chunk_graph is not None and b == 1:  # a batch-1 prompt of 32 tokens: one compiled piece

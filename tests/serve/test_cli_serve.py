@@ -177,7 +177,8 @@ def test_bad_device_is_named(capsys, device, needle):
 def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monkeypatch):
     """--dtype auto serves a bf16 checkpoint in bf16 and an fp32 one in fp32 (--dtype float32 overrides);
     --decode-graph on builds the engine's decode graph over the given buckets (compiled on first use), off none;
-    --freeze-weights freezes its graphs, and without the decode graph is refused naming the flag it needs."""
+    --freeze-weights freezes its graphs, and without the decode graph is refused naming the flag it needs; so is
+    --decode-run K (which reaches the engine), as is K below 1."""
     torch.set_num_threads(1)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # --decode-graph on sets it
     model, tok, _ = load_for_serving(None)
@@ -194,9 +195,14 @@ def test_dtype_auto_follows_the_checkpoint_and_decode_graph_flags(tmp_path, monk
     assert not engine.frozen and not engine.decode_graph.frozen
     _, _, engine = _serve_app(build_parser().parse_args([*args, "--max-slots", "2", "--freeze-weights"]))
     assert engine.frozen and engine.decode_graph.frozen and engine.chunk_graph.frozen
+    _, _, engine = _serve_app(build_parser().parse_args([*args, "--max-slots", "2", "--decode-run", "4"]))
+    assert engine.decode_run == 4
     assert cli_main(["generate", "--decode-buckets", "1,x", "--decode-graph", "on"]) == 1
     with pytest.raises(ConfigError, match="--decode-graph on"):
         _serve_app(build_parser().parse_args(["serve", "--freeze-weights"]))
+    for bad in (["--decode-run", "3"], [*args[3:], "--decode-run", "0"]):
+        with pytest.raises(ConfigError, match=f"--decode-run {bad[-1]}: .*--decode-graph on"):
+            _serve_app(build_parser().parse_args(["serve", *bad]))
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

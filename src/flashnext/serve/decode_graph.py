@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import operator
 import os
 import threading
@@ -78,7 +79,7 @@ from flashnext.ops import grouped_experts
 from flashnext.serve.frozen import FROZEN_PATCHES, check_freezable, freezing
 from flashnext.serve.graph_calls import BoundStep, CapturedStep
 from flashnext.serve.graph_compile import BackgroundCompile
-from flashnext.serve.sampling import attach_maxima
+from flashnext.serve.sampling import attach_maxima, greedy_of
 
 log = logging.getLogger("flashnext.serve")
 
@@ -272,6 +273,24 @@ class DecodeGraph(BackgroundCompile):
         """
         with torch.inference_mode():
             return self._run(ids, slots, cached)
+
+    def run_greedy(self, ids: list[int], slots: list[int], cached: list[int], steps: int) -> tuple[list, torch.Tensor]:
+        """Up to `steps` decode steps of the n entries, each fed the greedy tokens of the one before
+        (`serve.decode_runs`): (every step's greedy tokens but the last's, as host lists; the last step's logits, as
+        `run`'s). A step whose row maxima are not all finite ends the run: its logits come back as the last, for
+        the sampler to fail those rows. The layout is checked before the first step only (weights change between
+        engine steps)."""
+        with torch.inference_mode():
+            tokens: list[list[int]] = []
+            while True:
+                logits = self._run(ids, slots, cached)
+                maxes, greedy = greedy_of(logits)
+                if len(tokens) == steps - 1 or not all(math.isfinite(m) for m in maxes.tolist()):
+                    return tokens, logits
+                ids = greedy.tolist()
+                tokens.append(ids)
+                cached = [c + 1 for c in cached]
+                self._checked_now = True  # the layout was checked before the first step of the run
 
     def _run(self, ids: list[int], slots: list[int], cached: list[int]) -> torch.Tensor:
         n = len(ids)

@@ -71,7 +71,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flashnext.errors import ConfigError
-from flashnext.serve import frozen, prompt_logprobs
+from flashnext.serve import decode_runs, frozen, prompt_logprobs
 from flashnext.serve.cache import StateCache
 from flashnext.serve.chunk_graph import ChunkGraph
 from flashnext.serve.decode_graph import DecodeGraph
@@ -119,9 +119,10 @@ class Engine:
             prompt whole.
         prefix_cache_mb: the prefix cache's budget in MiB (on the cache's device).
         prefix_block_size: tokens per prefix-cache block (a multiple of the GDN chunk and the QSA block).
+        decode_run: with `decode_graph`, up to this many greedy decode steps per `step()` (`serve.decode_runs`).
 
     Raises:
-        ConfigError: `num_speculative_tokens` > 0 for a model without an MTP head, or out of range.
+        ConfigError: `num_speculative_tokens` > 0 for a model without an MTP head, or out of range; bad `decode_run`.
     """
 
     def __init__(
@@ -140,8 +141,10 @@ class Engine:
         prefix_cache: bool = True,
         prefix_cache_mb: float = DEFAULT_BUDGET_MB,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
+        decode_run: int = 1,
     ):
         k = check_speculative(num_speculative_tokens, model)
+        self.decode_run = decode_runs.checked(decode_run, decode_graph)
         self.model = prepare_for_inference(model)
         self.config = model.config
         self.tokenizer = tokenizer
@@ -258,7 +261,7 @@ class Engine:
         if plan:
             t0 = time.perf_counter()
             try:
-                out, routing, prompt = self.model_step(plan)
+                out, routing, prompt = decode_runs.forward(self, plan)  # the model step (a decode run: its last)
             except Exception as exc:  # see the module doc: recompute the involved requests, end only a culprit
                 self._recover(plan, exc)
             else:

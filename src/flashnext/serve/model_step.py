@@ -51,11 +51,7 @@ class ModelStep:
         positions whose log-probs were asked, with their logits (`serve.prompt_logprobs`; None when none). A
         decode-only step without speculation or routing runs as the decode graph, when the engine has one."""
         if self.decode_graph is not None and decode_only(plan) and self.decode_graph.ready_for(len(plan)):
-            logits = self.decode_graph.run(
-                [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan],
-                [req.num_cached for req, _ in plan],
-            )  # fmt: skip
-            return logits, None, None
+            return self.decode_graph.run(*_decode_inputs(plan)), None, None
         if self.chunk_graph is not None and prefill_only(plan) and self.chunk_graph.ready_for(plan[0][1]):
             req, n = plan[0]
             return self.chunk_graph.prefill(req.pending_ids(n), req.slot, req.num_cached), None, None
@@ -87,6 +83,11 @@ class ModelStep:
                 return logits[: len(plan)], routed, (scored, logits[len(plan) :])
             return logits, routed, None
 
+    def greedy_run(self, plan: list[tuple[Request, int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+        """A decode run (`serve.decode_runs`) of `steps` decode-graph steps over a decode-only plan, each fed the
+        greedy tokens of the one before: (the early steps' tokens, the last step's logits)."""
+        return self.decode_graph.run_greedy(*_decode_inputs(plan), steps)
+
     def _prompt_embeds(self, plan, ids: torch.Tensor, cu: list[int]) -> torch.Tensor | None:
         """The step's input embeddings when an entry is a chunk of an image prompt, else None (token embeddings).
 
@@ -111,3 +112,8 @@ class ModelStep:
             k = min(n, len(req.prompt_ids) - req.num_cached)
             embeds[cu[i] : cu[i] + k] = req.prompt_embeds[req.num_cached : req.num_cached + k]
         return embeds
+
+
+def _decode_inputs(plan) -> tuple[list[int], list[int], list[int]]:
+    """A decode-only plan's (tokens fed, slots, cached lengths) for the decode graph."""
+    return [req.pending_ids(1)[0] for req, _ in plan], [req.slot for req, _ in plan], [r.num_cached for r, _ in plan]

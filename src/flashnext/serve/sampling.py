@@ -228,7 +228,7 @@ def sample(
         logits = logits.float()
         maxes, tokens = logits.max(-1)
     else:  # greedy rows alone: the max of the logits as they are (taken with them where they carry it)
-        maxes, tokens = vars(logits).get(_MAXIMA) or logits.max(-1)
+        maxes, tokens = greedy_of(logits)
     logprobs = mode_logprobs(logits, params) if with_logprobs else None
     failed = []
     for i, p in enumerate(params):
@@ -256,6 +256,11 @@ def attach_maxima(logits: torch.Tensor, maxes: torch.Tensor, tokens: torch.Tenso
     """`logits` [n, V] carrying its rows' maxima and their first indices [n], computed with it (module doc)."""
     vars(logits)[_MAXIMA] = (maxes, tokens)
     return logits
+
+
+def greedy_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row maxima, their first indices) of `logits` [n, V]: the ones it carries (`attach_maxima`), else reduced."""
+    return vars(logits).get(_MAXIMA) or logits.max(-1)
 
 
 def drop_maxima(logits: torch.Tensor) -> None:
