@@ -83,7 +83,7 @@ def _add_graph_args(p: argparse.ArgumentParser) -> None:
         "--decode-run", type=int, default=1, metavar="K",
         help="with --decode-graph on: up to K decode steps per engine step while every running request decodes "
         "greedily with nothing adjusting its logits and none waits (the same tokens; the host's per-step work "
-        "paid once per run: ~5%% more tokens/s at batch 1 and 16 on a 2-core CPU; a run's tokens stream together; "
+        "paid once per run: 3-5%% more tokens/s at batch 1 and 16 on a 2-core CPU; a run's tokens stream together; "
         "default 1: off)",
     )  # fmt: skip
 
