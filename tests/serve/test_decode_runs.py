@@ -2,8 +2,11 @@
 the tokens single steps give, stop where single steps stop, step aside for requests that need the host between
 tokens, and lose nothing when a step of a run fails.
 
-The graphs run with the "eager" backend (dynamo traces the static step, no code generation): a run feeds the same
-graph the same inputs as single steps, so the tokens are compared exactly (ties aside: both read the same maxima).
+The graphs run with the "eager" backend (dynamo traces the static step, no code generation). A run feeds the graph
+the inputs single steps feed it, except after a request stops inside a run: its row is still computed until the run
+ends, so the others keep the bucket they had where single steps would take a smaller one (each row's products are
+its own, equal to rounding across buckets). Tokens are compared exactly: greedy over these seeded prompts meets no
+near tie (a tie broken the other way by rounding would show as a different token, not as a wrong path).
 """
 
 from __future__ import annotations

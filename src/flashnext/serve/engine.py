@@ -29,7 +29,8 @@ captured (CUDA) once per batch bucket; every other step (prefill chunks, specula
 eager, and so does a decode step whose bucket is still compiling in the background (`compile_in_background`).
 On CPU, a step holding one request's plain prompt chunk runs as compiled pieces (`ChunkGraph`) once their
 lengths are compiled (`engine.chunk_graph.warmup()`, or `serve`'s background compile after the decode buckets).
-Their logits are the eager step's to float rounding (tested).
+Their logits are the eager step's to float rounding (tested). With `decode_run=K`, up to K decode-graph steps of
+greedy requests run back to back in one `step()` and are recorded as K steps (`serve.decode_runs`).
 
 Failures never end a bystander (one request's fault costs that request alone, finish reason "error"):
 - a row whose logits are not finite, or whose sampling or stop check raises, ends that request only;
