@@ -62,3 +62,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _denormals_kept():
+    """Every test starts with IEEE denormals (torch's default) on its threads: the trainer and `serve` flush them
+    (`flashnext.denormals`), and a test running either in this process would otherwise change later tests'
+    floating-point mode."""
+    yield
+    from flashnext.denormals import flush_denormals
+
+    flush_denormals(False)

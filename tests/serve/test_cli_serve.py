@@ -85,6 +85,19 @@ def test_generate_chat_stops_at_end_of_turn(tmp_path, capsys):
     assert chat.split("ids=[")[1].rstrip("]\n") in plain  # the same tokens up to the stop, then more
 
 
+def test_serve_flushes_denormals_unless_kept(monkeypatch):
+    """`serve` sets its threads' denormal mode after their count: flushed by default, kept with --keep-denormals
+    (the mode itself: tests/test_denormals.py)."""
+    import flashnext.denormals
+
+    calls = []
+    monkeypatch.setattr(flashnext.denormals, "flush_denormals", lambda on=True: calls.append(on) or 1)
+    small = ["--max-slots", "1", "--max-model-len", "32", "--threads", "1"]
+    _serve_app(build_parser().parse_args(["serve", *small]))
+    _serve_app(build_parser().parse_args(["serve", "--keep-denormals", *small]))
+    assert calls == [True, False]
+
+
 def test_served_model_name():
     """--served-model-name is the id /v1/models lists and requests must name; the default stays flashnext-tiny."""
     torch.set_num_threads(1)

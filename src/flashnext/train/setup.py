@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from flashnext.config import TextConfig, load_config, parse_config, tiny_config_dict
+from flashnext.denormals import flush_denormals
 from flashnext.errors import CheckpointError, ConfigError, InputError
 from flashnext.model import fused
 from flashnext.parallel.dist import DistContext
@@ -209,9 +210,11 @@ def needs_tokenizer(cfg: RunConfig) -> bool:
 
 
 def seed_threads(cfg: RunConfig) -> None:
-    """Threads and the torch/python seeds of the run (the data order has its own seed)."""
+    """Threads (their denormal mode after their count) and the torch/python seeds of the run (the data order has
+    its own seed)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    flush_denormals(cfg.train.flush_denormals)
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
 
