@@ -38,13 +38,15 @@ _TEAM_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 def openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime loaded in this process (found in `/proc/self/maps`) with `GOMP_parallel`, else None."""
+    """The OpenMP runtime loaded in this process (found in `/proc/self/maps`) with `GOMP_parallel`, else None; torch's
+    own copy first where another one is loaded beside it (it is the one torch's kernels call)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line})
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
     except OSError:
         return None
-    for path in paths:
+    torch_dir = os.path.dirname(torch.__file__)
+    for path in sorted(paths, key=lambda p: (not p.startswith(torch_dir), p)):
         if os.path.basename(path).startswith(OPENMP_LIBRARIES):
             runtime = ctypes.CDLL(path)  # the copy already loaded: dlopen returns its handle
             if hasattr(runtime, "GOMP_parallel"):
