@@ -145,7 +145,7 @@ class TrainSection(BaseModel):
     flush_denormals: bool = True
     """CPU: floats below 2^-126 (~1.2e-38) read and written as zero on the trainer's threads (x86 FTZ/DAZ,
     `flashnext.denormals`): a Gated DeltaNet chunk's decays make such values, and every instruction touching one
-    is slow (fwd+bwd 1.4x faster in fp32, 1.7x in bf16 on a Xeon); `false` keeps IEEE denormals."""
+    is slow (fwd+bwd 1.25x faster in fp32, 1.54x in bf16 on a Xeon); `false` keeps IEEE denormals."""
     seed: int = 0
     """Seed of torch's global RNG (nothing in a step draws from it today; kept for exact resume)."""
     eval_every: int = Field(0, ge=0)
