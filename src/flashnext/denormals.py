@@ -5,8 +5,8 @@ instruction that reads or yields one takes a slow microcode path (~100x for a ma
 denormal). A Gated DeltaNet chunk makes them by construction: its decays `exp(cum_i - cum_j)` and the products
 built on them reach below 2^-126 wherever a head forgets quickly (random weights: 3-10% of a chunk's entries).
 On a Xeon with AMX, 2 threads, the 31M benchmark model's 4096-token fwd+bwd ran 1.25x (fp32) and 1.54x (bf16)
-faster with them flushed, a served 2048-token prefill 1.21x / 1.62x (`benchmarks/RESULTS.md`, stop 46). A flushed value differs from
-the exact one by less than 2^-126 absolutely: nothing a float32 sum of normal terms can keep.
+faster with them flushed, a served 2048-token prefill 1.21x / 1.62x (`benchmarks/RESULTS.md`, stop 46). A flushed
+value differs from the exact one by less than 2^-126 absolutely: nothing a float32 sum of normal terms can keep.
 
 How: `torch.set_flush_denormal` sets the mode of the calling thread only, while torch's kernels (ATen's, MKL's,
 oneDNN's, inductor's generated code) run on the calling thread's OpenMP team, whose worker threads keep the mode they
