@@ -33,11 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_vs_reference import (  # noqa: E402
     CONFIG,
+    add_denormals_arg,
     forward_backward_fn,
     load_average,
     load_harness,
     median_seconds,
     op_self_times,
+    set_denormals,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,10 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096], help="sequence lengths (default 4096)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per dtype (default 3, at least 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    parser.add_argument(
-        "--keep-denormals", action="store_true",
-        help="keep IEEE denormal floats (default: flushed to zero, as `flashnext train` and `serve` run)",
-    )  # fmt: skip
+    add_denormals_arg(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     parser.add_argument("--profile", type=int, default=0, help="print the top-N ops of each dtype side by side")
     parser.add_argument(
@@ -70,13 +69,11 @@ def main(argv=None) -> int:
 
     import flashnext
     from flashnext.config import TextConfig
-    from flashnext.denormals import flush_denormals
     from flashnext.flops import count_flops
     from flashnext.train.metrics import measure_peak_flops
 
     torch.set_num_threads(args.threads)
-    threads = flush_denormals(not args.keep_denormals)
-    print(f"# denormals {'kept' if args.keep_denormals else 'flushed'} on {threads} threads (as train / serve)")
+    set_denormals(args)
     print(f"# load average (1/5/15 min) at start: {load_average()}")
     reference = load_harness().build_reference(dict(CONFIG), seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="flashnext-bench-") as tmp:

@@ -89,6 +89,22 @@ def load_harness():
     return module
 
 
+def add_denormals_arg(parser) -> None:
+    """`--keep-denormals`: the benchmarks run with denormals flushed, as `flashnext train` and `serve` do."""
+    parser.add_argument(
+        "--keep-denormals", action="store_true",
+        help="keep IEEE denormal floats (default: flushed to zero, as `flashnext train` and `serve` run)",
+    )  # fmt: skip
+
+
+def set_denormals(args) -> None:
+    """The threads' denormal mode as `--keep-denormals` says, after their count is set; printed as context."""
+    from flashnext.denormals import flush_denormals
+
+    threads = flush_denormals(not args.keep_denormals)
+    print(f"# denormals {'kept' if args.keep_denormals else 'flushed'} on {threads} threads (as train / serve)")
+
+
 def logits_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -182,10 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure after a warm-up (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before each figure (default 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    parser.add_argument(
-        "--keep-denormals", action="store_true",
-        help="keep IEEE denormal floats (default: flushed to zero, as `flashnext train` and `serve` run)",
-    )  # fmt: skip
+    add_denormals_arg(parser)
     parser.add_argument("--check-seq", type=int, default=256, help="sequence length of the parity check (default 256)")
     parser.add_argument("--tol", type=float, default=1e-3, help="max logits rel. error before timing (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
@@ -197,13 +210,11 @@ def main(argv=None) -> int:
 
     import flashnext
     from flashnext.config import TextConfig
-    from flashnext.denormals import flush_denormals
     from flashnext.flops import count_flops
     from flashnext.train.metrics import measure_peak_flops
 
     torch.set_num_threads(args.threads)
-    threads = flush_denormals(not args.keep_denormals)
-    print(f"# denormals {'kept' if args.keep_denormals else 'flushed'} on {threads} threads (as train / serve)")
+    set_denormals(args)
     dtype = getattr(torch, args.dtype)
     print(f"# load average (1/5/15 min) at start: {load_average()}")
     harness = load_harness()

@@ -235,14 +235,12 @@ def quantize_both(model, gguf: Path, root: Path) -> Path:
 
 
 def main(argv=None) -> int:
+    shared = _load("model_vs_reference", HERE / "model_vs_reference.py")  # the denormals flag and its setting
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--keep-denormals", action="store_true",
-        help="keep IEEE denormal floats (default: flushed to zero, as `flashnext train` and `serve` run)",
-    )  # fmt: skip
+    shared.add_denormals_arg(parser)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-graph", action="store_true", help="our decode steps as the compiled decode step")
     parser.add_argument(
@@ -270,12 +268,10 @@ def main(argv=None) -> int:
     if bench is None or simple is None:
         print(f"vs_llamacpp: {root} has no llama-batched-bench / llama-simple (looked in ., bin, build/bin)")
         return 1
-    from flashnext.denormals import flush_denormals
     from flashnext.serve.engine import Engine
 
     torch.set_num_threads(args.threads)
-    threads = flush_denormals(not args.keep_denormals)
-    print(f"# denormals {'kept' if args.keep_denormals else 'flushed'} on {threads} threads (as train / serve)")
+    shared.set_denormals(args)
     dtype = getattr(torch, args.dtype)
     prefill = {}  # batch -> our prefill tok/s over llama.cpp's S_PP
     with tempfile.TemporaryDirectory(prefix="flashnext-vs-llamacpp-") as tmp:

@@ -25,6 +25,7 @@ reads as zero in arithmetic and comparisons on the calling thread.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -37,9 +38,11 @@ OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp5")  # file name prefixes of th
 _TEAM_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+@functools.cache
 def openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime loaded in this process (found in `/proc/self/maps`) with `GOMP_parallel`, else None; torch's
-    own copy first where another one is loaded beside it (it is the one torch's kernels call)."""
+    own copy first where another one is loaded beside it (it is the one torch's kernels call). Looked up once: torch
+    loads its runtime with itself."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
