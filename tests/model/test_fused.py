@@ -438,3 +438,36 @@ def test_compiled_ngram_lookup_feeding_a_reduced_product_is_embedding_bag(small_
         torch._dynamo.reset()
         torch.compile(emb._lookup, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(rows[:1])
         assert not any("embedding_bag" in str(nd.target) for nd in graphs[0].graph.nodes)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["bf16", "bf16_avx2_cpu", "fp32"],
+)
+def test_frozen_graph_products_of_native_16bit_weights_are_linear_on_them(dtype, native, monkeypatch):
+    """Traced for a frozen graph (`fused.frozen_products`), a group product of 16-bit weights the CPU has
+    instructions for (`fused.frozen_native`) is `F.linear` on the 16-bit weight at 1 and 2 rows: neither a reduction
+    (its upcast would fold into an fp32 constant) nor the fp32 copy. Without them (an AVX2 CPU) one row reduces and
+    two multiply the fp32 copy; fp32 weights: one row reduces, two are `F.linear`. Tolerance as in the few-row test
+    above: fp32 sums in another order; bf16 results one rounding apart at most."""
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+    g = torch.Generator().manual_seed(0)
+    mods = [nn.Linear(64, 32, dtype=dtype), nn.Linear(64, 16, dtype=dtype)]
+    group = fused.Group(*mods)
+    group.build()
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    for rows in (1, 2):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        with fused.frozen_products():
+            (a, b), ops, inputs = _graph_ops(lambda x: group(x, fused=True), x)
+        assert not fused._frozen()  # the context is left as it was
+        ref = [F.linear(x.float(), m.weight.float(), m.bias.float()) for m in mods]
+        torch.testing.assert_close(a.float(), ref[0], **tol)
+        torch.testing.assert_close(b.float(), ref[1], **tol)
+        reduces = rows == 1 and not (native and dtype == torch.bfloat16)
+        assert any("sum" in op for op in ops) == reduces, (rows, ops)
+        assert any("linear" in op for op in ops) == (not reduces), (rows, ops)
+        weights = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.shape == (48, 64)}  # fused weight
+        copy = dtype == torch.bfloat16 and not native and rows == 2  # the AVX2 CPU's fp32 copy
+        assert weights == {torch.float32 if copy else dtype}, (rows, weights)

@@ -8,16 +8,20 @@ compiled function on the same inputs).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from serve_helpers import small_model
 
 from flashnext.errors import ConfigError
+from flashnext.model import fused
 from flashnext.quant.apply import QuantScheme, quantize_model
 from flashnext.serve import decode_graph
 from flashnext.serve.cache import StateCache
 from flashnext.serve.decode_graph import DecodeGraph
 from flashnext.serve.engine import Engine
+from flashnext.serve.prepare import prepare_for_inference
 from flashnext.serve.sampling import SamplingParams
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -99,3 +103,42 @@ def test_frozen_graphs_refuse_what_they_cannot_hold(model, small_config):
         DecodeGraph(quantized, StateCache(quantized, 2, 32), buckets=[2], frozen=True)
     with pytest.raises(ConfigError, match="decode_graph=True"):
         Engine(model, **KW, freeze_weights=True)
+
+
+def _bf16(model):
+    return prepare_for_inference(copy.deepcopy(model).to(torch.bfloat16))
+
+
+def test_batch_one_graphs_freeze_the_16bit_weights_the_cpu_multiplies(model, monkeypatch):
+    """With `freeze_weights` the batch-1 decode graph holds the weights frozen for bf16 weights the CPU has
+    instructions for (`fused.NATIVE_GEMM`: their products are `F.linear` on the packed bf16 weight), not for fp32
+    weights nor emulated bf16 (a reduction's upcast would fold into an fp32 constant); from 2 rows always."""
+    bf16 = _bf16(model)
+    kw = dict(**KW, decode_graph=True, decode_buckets=[1, 2], prefill_lengths=[])
+    for native in (True, False):
+        monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, native)
+        graph = Engine(bf16, **kw, freeze_weights=True).decode_graph
+        assert (graph._freezes(1), graph._freezes(2)) == (native, True)
+    graph = Engine(model, **kw, freeze_weights=True).decode_graph
+    assert (graph._freezes(1), graph._freezes(2)) == (False, True)
+    assert not Engine(bf16, **kw).decode_graph._freezes(2)  # nothing frozen without freeze_weights
+
+
+@pytest.mark.slow
+def test_frozen_bf16_batch_one_step_equals_the_plain_graph(model, monkeypatch):
+    """Frozen (bf16 weights, a CPU with bf16 instructions), the batch-1 step's logits equal the plain compiled
+    graph's (reductions) within bf16 rounding: every product sums in fp32 and rounds once to bf16 in both, in another
+    order, so outputs differ by a bf16 step here and there (2^-8 relative), and so may the logits after two layers
+    (measured: 4e-3 on logits up to ~1): 2e-2 absolute. Two compiles (~45 s on 2 cores)."""
+    monkeypatch.setattr(decode_graph, "FROZEN_PATCHES", {"freezing": True})  # aten's kernels: no autotuning
+    monkeypatch.setitem(fused.NATIVE_GEMM, torch.bfloat16, True)
+    bf16, logits = _bf16(model), []
+    for frozen in (True, False):
+        engine = Engine(bf16, **KW, decode_graph=True, decode_buckets=[1], prefill_lengths=[], freeze_weights=frozen)
+        graph = engine.decode_graph
+        graph.warmup()
+        assert graph._freezes(1) == frozen
+        with torch.inference_mode():
+            logits.append(graph._call(1, *graph._inputs([5], [0], [0], 1))[0].float().clone())
+    assert logits[0].abs().max() > 0.5
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=2e-2)

@@ -20,12 +20,13 @@ weight update in place, `load_state_dict`, or a trainer's weight sync is seen by
 capture address: in-place updates are seen, and a parameter replaced by a new tensor (another address) makes
 `run` capture that bucket again.
 
-Frozen weights (`frozen=True`, CPU; `serve --freeze-weights`): the graphs of 2+ rows (`_freezes`) are compiled
-with inductor's `freezing` (the parameters and fused weights become constants of the graph, packed for its C++
-GEMM template, which its `max_autotune` times against aten's kernels per product: `FROZEN_PATCHES`; the products
-are traced as `F.linear`, `fused.frozen_products`). Bench config, 2 threads, one process alternating: the
-batch-16 step 11.0 -> 9.3-9.4 ms in fp32, 12.5 -> 11.1 in bf16 (AVX2); batch 4 5.5 -> 4.5 (fp32). The price:
-weights can no longer change under the graphs, and each graph holds its own packed copy of the weights (memory).
+Frozen weights (`frozen=True`, CPU; `serve --freeze-weights`): the graphs of 2+ rows (`_freezes`; 1 row too for
+16-bit weights the CPU has instructions for) are compiled with inductor's `freezing` (the parameters and fused
+weights become constants of the graph, packed for its C++ GEMM template, which its `max_autotune` times against
+aten's kernels per product: `FROZEN_PATCHES`; the products are traced as `F.linear`, `fused.frozen_products`). Bench
+config, 2 threads, one process alternating: the batch-16 step 11.0 -> 9.3-9.4 ms in fp32, 12.5 -> 11.1 in bf16
+(AVX2); batch 4 5.5 -> 4.5 (fp32). The price: weights can no longer change under the graphs, and each graph holds
+its own packed copy of the weights (memory).
 `versioned` then covers every parameter and buffer, and a change after a graph was compiled (in place, or a tensor
 replaced) retires the graphs (`thawed`: logged once; every later step runs eager, exact with the new weights);
 the engine refuses weight updates outright (`Engine.load_weights`, the admin update routes). Quantized models are
@@ -169,6 +170,7 @@ class DecodeGraph(BackgroundCompile):
         if self.device.type == "cpu":
             grouped_experts.available()  # the routed experts' kernel, built (once) before any trace reads it
         self.frozen = frozen and check_freezable(model, self.device)
+        self.weight_dtype = next((p.dtype for p in model.parameters() if p.dim() == 2), None)  # `_freezes`
         self.thawed = False  # frozen graphs retired: the weights changed after they were compiled
         self._checked_now = False  # `ready_for` has just run the layout check (frozen graphs)
         self.buckets = self._sizes(buckets, cache.max_slots)
@@ -220,10 +222,12 @@ class DecodeGraph(BackgroundCompile):
         return counting
 
     def _freezes(self, N: int) -> bool:
-        """Whether size N's graph holds the weights frozen: with `frozen`, from 2 rows. One row gains nothing: its
-        products are reductions reading the weights as they lie, and folded, a 16-bit weight's upcast is what they
-        would read (twice the bytes: bench config, bf16 batch-1 step on an AVX2 CPU 1.80 -> 2.23 ms)."""
-        return self.frozen and N > 1
+        """Whether size N's graph holds the weights frozen: with `frozen`, from 2 rows, and at one row for 16-bit
+        weights the CPU has instructions for (`fused.frozen_native`: their products are the template's). Otherwise
+        one row gains nothing: its products are reductions reading the weights as they lie, and folded, a 16-bit
+        weight's upcast is what they would read (twice the bytes: bench config, bf16 batch-1 step on an AVX2 CPU
+        1.80 -> 2.23 ms); fp32 on a Xeon with AMX, one process: 1.000 -> 1.023 the time."""
+        return self.frozen and (N > 1 or fused.NATIVE_GEMM.get(self.weight_dtype, False))
 
     @staticmethod
     def _sizes(buckets: Sequence[int] | None, max_slots: int) -> list[int]:
