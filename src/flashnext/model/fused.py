@@ -43,9 +43,9 @@ into an fp32 constant, which is why batch-1 decode graphs of fp32 models, and of
 instructions for them, are not frozen (`DecodeGraph._freezes`). Where the CPU has them (`frozen_native`:
 `NATIVE_GEMM`), every product of 16-bit weights in a frozen graph is `F.linear`, one row included, and the fp32
 copies are not used: the template multiplies the packed 16-bit weight itself (AMX micro-kernels on a Xeon with AMX;
-the copies' products and the reductions run fp32 kernels on twice the bytes), and batch-1 graphs are frozen too.
-Bench config, bf16, that Xeon, 2 threads, frozen graphs in one process alternating, step time against fp32's:
-batch 1 1.045 -> 0.996, batch 4 0.818 -> 0.772, batch 16 0.678 -> 0.644.
+the copies double the bytes read, the reductions widen every element), and batch-1 graphs are frozen too. Bench
+config, bf16, that Xeon, 2 threads, frozen graphs in one process alternating, step time against fp32's (batch 1:
+fp32 unfrozen): batch 1 1.037 -> 0.944, batch 4 0.812 -> 0.767, batch 16 0.661 -> 0.644.
 
 Legend: M rows of input, K input features, N output features (summed over the group).
 """
