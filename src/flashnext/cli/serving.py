@@ -324,6 +324,8 @@ def run_serve(args: argparse.Namespace) -> None:
             flush=True,
         )
         server.run(sockets=[sock])
+        if server.first_signal == signal.SIGINT:  # see `_server_class`: re-raised, yet it may not come back
+            raise KeyboardInterrupt
         _exit_if_compiling(0, engine.decode_graph, engine.chunk_graph)
     except KeyboardInterrupt:  # Ctrl-C (uvicorn raises it again once it has shut down): one line, not a traceback
         print("flashnext serve: stopped by SIGINT", file=sys.stderr, flush=True)
@@ -370,9 +372,13 @@ def _server_class():
         """uvicorn's server, whose first SIGINT/SIGTERM also ends every request in flight (their clients get the
         503 `aborted` error body, or an error event on a stream), so shutting down never waits for long
         generations; a second signal is uvicorn's own forced exit. `after_startup`, if set, is called once it
-        listens."""
+        listens. `first_signal`: the signal that stopped it. Once shut down, uvicorn raises a captured SIGINT again
+        from inside the event loop, where asyncio's runner has its own SIGINT handler (it cancels the main task);
+        the KeyboardInterrupt did not always come out of `run` (both SIGINT cases of one CI run exited 0, likely the
+        task finishing as it was cancelled), so `run_serve` raises it itself."""
 
         after_startup = None
+        first_signal = None
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
@@ -380,6 +386,7 @@ def _server_class():
                 self.after_startup()
 
         def handle_exit(self, sig, frame) -> None:
+            self.first_signal = self.first_signal or sig
             loop = self.config.app.state.routes.loop
             if not self.should_exit and loop is not None:
                 busy = len(loop.engine.running) + len(loop.engine.waiting)
