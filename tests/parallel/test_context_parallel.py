@@ -21,7 +21,7 @@ from pathlib import Path
 import cp_cases as cc
 import pytest
 import torch
-from dist_helpers import free_port, run_spawned
+from dist_helpers import free_port, spawned_once
 
 from flashnext.errors import ConfigError
 from flashnext.parallel.context import plan_layout
@@ -40,19 +40,8 @@ def root(tmp_path_factory) -> Path:
 
 
 def results(world: int, root: Path) -> list[dict]:
-    """Every rank's results of one world size, run once per module. A failed run is remembered too: the later tests
-    report its cause instead of running again into the directories the first attempt left half-written."""
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = run_spawned(cc.run_rank, world, str(root), timeout_s=600)
-        except RuntimeError as e:
-            _RESULTS[world] = e
-            raise
-    got = _RESULTS[world]
-    if isinstance(got, RuntimeError):
-        first = str(got)[:500]
-        raise RuntimeError(f"the spawned world-{world} run failed (reported in full by an earlier test): {first}")
-    return got
+    """Every rank's results of one world size, run once per module (a failed run, once: `spawned_once`)."""
+    return spawned_once(_RESULTS, world, cc.run_rank, world, str(root), timeout_s=600)
 
 
 def one_thread(fn, *args):

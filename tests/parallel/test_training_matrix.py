@@ -16,7 +16,7 @@ from pathlib import Path
 import matrix_cases as mc
 import pytest
 import torch
-from dist_helpers import run_spawned
+from dist_helpers import spawned_once
 
 AXES = {
     "loss": ("sft", "rl"),
@@ -27,14 +27,12 @@ AXES = {
 DIAGONAL = [("sft", "fsdp2", "on", "frozen"), ("rl", "cp2", "on", "trainable"), ("sft", "cp2", "off", "frozen")]
 FULL = [c for c in itertools.product(*AXES.values()) if c not in DIAGONAL]
 REFUSED: dict[tuple, str] = {}  # cell -> the start-up error it must raise; none today
-_RESULTS: dict[str, dict] = {}
+_RESULTS: dict[str, list | RuntimeError] = {}
 
 
 def _distributed(cells: list, root: Path, key: str) -> dict:
-    if key not in _RESULTS:
-        (out, _) = run_spawned(mc.run_rank, 2, str(root), [list(c) for c in cells], timeout_s=900)
-        _RESULTS[key] = out
-    return _RESULTS[key]
+    cells = [list(c) for c in cells]
+    return spawned_once(_RESULTS, key, mc.run_rank, 2, str(root), cells, timeout_s=900, fresh_dir=root)[0]
 
 
 def _reference(cell, root: Path) -> dict:
