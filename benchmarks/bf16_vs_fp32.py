@@ -9,7 +9,8 @@ Unlike `model_vs_reference.py` it does not run the transformers reference (minut
 so it answers the issue-31 question alone: does bf16 pay (aim: bf16 >= 1.5x our fp32, MFU >= 0.3)?
 
 `--profile N` adds one torch.profiler run per dtype and prints the top N ops by self CPU time, as shares of that
-run's total, both dtypes side by side: on a loaded box the shares are steadier evidence than the times.
+run's total, both dtypes side by side: on a loaded box the shares are steadier evidence than the times. Then the
+GEMMs' share of each and the MFU bound it sets: the MFU the step would reach if every other op took no time.
 
 `--compile` runs both models through `flashnext.compile.compile_model` (what `train.compile=true` does: each
 decoder layer compiled, the opaque ops eager between graphs); the untimed first run compiles (minutes).
@@ -43,6 +44,7 @@ from model_vs_reference import (  # noqa: E402
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")  # the products' self time
 
 
 def op_shares(fn) -> dict[str, float]:
@@ -112,6 +114,11 @@ def main(argv=None) -> int:
             print(f"# seq={seq} self CPU share per op:  fp32   bf16")
             for key in top[: args.profile]:
                 print(f"#   {key:32s} {shares['fp32'].get(key, 0):.3f}  {shares['bf16'].get(key, 0):.3f}")
+            gemm = {name: sum(s.get(k, 0.0) for k in GEMM_OPS) for name, s in shares.items()}
+            print(
+                f"# seq={seq} GEMM share (mm, bmm, addmm, baddbmm) fp32={gemm['fp32']:.3f} bf16={gemm['bf16']:.3f}; "
+                "MFU with every other op free: " + " ".join(f"{n}={mfu[n] / max(gemm[n], 1e-9):.3f}" for n in fns)
+            )
     print(f"# load average (1/5/15 min) at end: {load_average()}")
     print(
         " ".join(f"bf16_ratio_{seq}={r:.2f}" for seq, (r, _) in summary.items())
