@@ -104,20 +104,12 @@ def spawned_once(cache: dict, key, fn, world_size: int, *args, timeout_s: float 
     A failed run is remembered too: the later tests report its cause in one line instead of running again into the
     directories the first attempt left half-written (a second failure that would hide the first one's cause).
     `fresh_dir`: a directory only this run writes. When a rank was killed by a signal (a native crash in torch or
-    gloo: seen once, in CI's training matrix, not reproduced in 5 local runs; its stack is on stderr), the directory
+    gloo: seen once, in CI's training matrix, not reproduced in 11 local runs; its stack is on stderr), the directory
     is emptied and the run made once more, with a warning naming the crash. Any other failure is not run again.
     """
     if key not in cache:
         try:
-            try:
-                cache[key] = run_spawned(fn, world_size, *args, timeout_s=timeout_s)
-            except RankKilled as e:
-                if fresh_dir is None:
-                    raise
-                warnings.warn(f"spawned run {key!r}: {e}; emptied {fresh_dir} and ran it again", stacklevel=2)
-                shutil.rmtree(fresh_dir, ignore_errors=True)
-                os.makedirs(fresh_dir)
-                cache[key] = run_spawned(fn, world_size, *args, timeout_s=timeout_s)
+            cache[key] = _rerun_if_killed(key, fn, world_size, args, timeout_s, fresh_dir)
         except RuntimeError as e:
             cache[key] = e
             raise
@@ -126,3 +118,16 @@ def spawned_once(cache: dict, key, fn, world_size: int, *args, timeout_s: float 
         first = str(got)[:500]
         raise RuntimeError(f"the shared spawned run {key!r} failed (reported in full by an earlier test): {first}")
     return got
+
+
+def _rerun_if_killed(key, fn, world_size: int, args: tuple, timeout_s: float, fresh_dir) -> list:
+    """`run_spawned`, made once more in the emptied `fresh_dir` when a rank was killed by a signal (`spawned_once`)."""
+    try:
+        return run_spawned(fn, world_size, *args, timeout_s=timeout_s)
+    except RankKilled as e:
+        if fresh_dir is None:
+            raise
+        warnings.warn(f"spawned run {key!r}: {e}; emptied {fresh_dir} and ran it again", stacklevel=3)
+    shutil.rmtree(fresh_dir, ignore_errors=True)
+    os.makedirs(fresh_dir)
+    return run_spawned(fn, world_size, *args, timeout_s=timeout_s)
